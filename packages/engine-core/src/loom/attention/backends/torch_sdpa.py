@@ -1,0 +1,147 @@
+"""Paged attention in plain torch (``scaled_dot_product_attention``), for CPU memory.
+
+Cache layout per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)``.
+Decode requests (one new token) run as one batched SDPA over K/V gathered through
+their block tables; prefill chunks run one request at a time, causal over the cached
+prefix plus the chunk. Gather plans are built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from loom_plugin_api import AttentionBackend, AttentionImpl, AttentionMetadata
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    token_idx: torch.Tensor  # (Bd,) flat token index of each decode request
+    slots: torch.Tensor  # (Bd, max_ctx) cache slot per context position (padding -> valid slot)
+    mask: torch.Tensor  # (Bd, 1, 1, max_ctx) True where the key is in context
+
+
+@dataclass(slots=True)
+class _PrefillItem:
+    start: int  # first flat token of the chunk
+    end: int
+    slots: torch.Tensor  # (ctx,) cache slots of the whole context
+    mask: torch.Tensor | None  # (q, ctx) causal mask with offset; None when ctx == q
+
+
+@dataclass(slots=True)
+class _Plan:
+    decode: _DecodePlan | None
+    prefills: list[_PrefillItem]
+
+
+def _context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(length)
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def build_plan(md: AttentionMetadata) -> _Plan:
+    """Gather indices and masks for this step (computed once, reused by every layer)."""
+    plan = md.scratch.get("torch_sdpa_plan")
+    if plan is not None:
+        return plan
+    bs = md.block_size
+    q_lens = md.query_lens
+    seq_lens = md.seq_lens_list
+    starts = md.query_start_loc.tolist()
+    decode_rows = [i for i, q in enumerate(q_lens) if q == 1]
+    decode = None
+    if decode_rows:
+        rows = torch.tensor(decode_rows, dtype=torch.long)
+        ctx = md.seq_lens[rows]
+        max_ctx = int(ctx.max())
+        pos = torch.arange(max_ctx)
+        valid = pos.unsqueeze(0) < ctx.unsqueeze(1)  # (Bd, max_ctx)
+        pos_c = torch.where(valid, pos.unsqueeze(0), 0)
+        tables = md.block_tables[rows]
+        slots = torch.gather(tables, 1, pos_c // bs) * bs + pos_c % bs
+        decode = _DecodePlan(
+            token_idx=md.query_start_loc[rows], slots=slots, mask=valid[:, None, None, :],
+        )
+    prefills = []
+    for i, q in enumerate(q_lens):
+        if q == 1:
+            continue
+        ctx = seq_lens[i]
+        slots = _context_slots(md.block_tables[i], ctx, bs)
+        mask = None
+        if ctx != q:
+            offset = ctx - q
+            qpos = torch.arange(q).unsqueeze(1) + offset
+            mask = torch.arange(ctx).unsqueeze(0) <= qpos
+        prefills.append(_PrefillItem(starts[i], starts[i] + q, slots, mask))
+    plan = _Plan(decode, prefills)
+    md.scratch["torch_sdpa_plan"] = plan
+    return plan
+
+
+class TorchSDPAImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, **extra: Any) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, **extra)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.group = num_heads // num_kv_heads
+
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = query.shape[0]
+        H, Hk, D, g = self.num_heads, self.num_kv_heads, self.head_size, self.group
+        k_cache = kv_cache[0].view(-1, Hk, D)
+        v_cache = kv_cache[1].view(-1, Hk, D)
+        k_cache.index_copy_(0, attn_metadata.slot_mapping, key.view(T, Hk, D))
+        v_cache.index_copy_(0, attn_metadata.slot_mapping, value.view(T, Hk, D))
+        plan = build_plan(attn_metadata)
+        q = query.view(T, H, D)
+        out = torch.empty_like(q)
+        if plan.decode is not None:
+            d = plan.decode
+            Bd = d.token_idx.shape[0]
+            # Fold the query heads of a KV group into the query-length axis: (Bd, Hk, g, D).
+            qd = q[d.token_idx].view(Bd, Hk, g, D)
+            kd = k_cache[d.slots].transpose(1, 2)  # (Bd, Hk, ctx, D)
+            vd = v_cache[d.slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
+            out[d.token_idx] = od.reshape(Bd, H, D)
+        for p in plan.prefills:
+            qp = q[p.start:p.end].transpose(0, 1)  # (H, q, D)
+            if p.mask is None:  # no cached prefix: the chunk's own K/V is the whole context
+                kp = key[p.start:p.end].view(-1, Hk, D).transpose(0, 1)  # (Hk, ctx, D)
+                vp = value[p.start:p.end].view(-1, Hk, D).transpose(0, 1)
+            else:
+                kp = k_cache[p.slots].transpose(0, 1)
+                vp = v_cache[p.slots].transpose(0, 1)
+            if g > 1:
+                kp = kp.repeat_interleave(g, dim=0)
+                vp = vp.repeat_interleave(g, dim=0)
+            if p.mask is None:
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale)
+            out[p.start:p.end] = op.transpose(0, 1)
+        return out.view(T, H * D)
+
+
+class TorchSDPABackend(AttentionBackend):
+    name: ClassVar[str] = "TORCH_SDPA"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TorchSDPAImpl
+
+    @staticmethod
+    def get_supported_block_sizes() -> list[int]:
+        return [8, 16, 32, 64, 128]

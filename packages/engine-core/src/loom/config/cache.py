@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, kw_only=True)
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    user_block_size: bool = False
+    """True when the user chose ``block_size``; platforms keep it then."""
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    """Memory for the KV cache; None lets the worker size it from what is available."""
+    num_blocks: int | None = None
+    """Set by the engine after asking the workers."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")

@@ -1,0 +1,59 @@
+"""LoomConfig: every part of a serve's configuration, finished by the platform."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..logger import init_logger
+from .cache import CacheConfig
+from .compilation import CompilationConfig
+from .device import DeviceConfig
+from .load import LoadConfig
+from .model import ModelConfig
+from .parallel import ParallelConfig
+from .scheduler import SchedulerConfig
+
+logger = init_logger(__name__)
+
+
+@dataclass(slots=True, kw_only=True)
+class LoomConfig:
+    model_config: ModelConfig
+    device_config: DeviceConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+
+    def __post_init__(self) -> None:
+        from ..platforms import current_platform
+
+        current_platform.apply_config_platform_defaults(self)
+        custom_ops = self.compilation_config.custom_ops
+        if all(base not in custom_ops for base in ("all", "none")):
+            # loom runs eagerly (no graph compiler fuses ops for it), so the platform's
+            # own op implementations are on unless the user or platform says otherwise.
+            custom_ops.append("all")
+        logger.debug("custom_ops before the platform's check: %s", custom_ops)
+        current_platform.check_and_update_config(self)
+        # The platform may have replaced the list; validate what it left.
+        CompilationConfig(custom_ops=list(self.compilation_config.custom_ops))
+        if self.parallel_config.worker_cls == "auto":
+            raise ValueError(
+                f"platform {type(current_platform).__name__} did not set worker_cls in "
+                "check_and_update_config; it must name its worker class"
+            )
+        max_len = self.model_config.max_model_len
+        sched = self.scheduler_config
+        if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
+            raise ValueError(
+                f"--max-num-batched-tokens ({sched.max_num_batched_tokens}) is below --max-model-len "
+                f"({max_len}) with chunked prefill off; raise it or enable chunked prefill"
+            )
+        logger.info(
+            "Config: model=%s arch=%s dtype=%s max_model_len=%d tp=%d block_size=%d custom_ops=%s worker_cls=%s",
+            self.model_config.model_path, self.model_config.architecture, self.model_config.dtype,
+            max_len, self.parallel_config.tensor_parallel_size, self.cache_config.block_size,
+            self.compilation_config.custom_ops, self.parallel_config.worker_cls,
+        )

@@ -1,0 +1,116 @@
+"""ModelConfig: which model, in which format and dtype, and its resolved architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from loom_plugin_api import ModelInfo, ModelRegistry, ModelRegistryError
+from loom_plugin_api.loader import plugin_records
+
+from ..logger import init_logger
+from ..transformers_utils.config import get_hf_config, resolve_model_path
+
+logger = init_logger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass(slots=True, kw_only=True)
+class ModelConfig:
+    model: str | None
+    """A directory of HF-format safetensors, a .gguf file, or None for the embedded default."""
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = 0
+    served_model_name: str | None = None
+    # resolved in __post_init__
+    model_path: str = field(init=False)
+    model_format: str = field(init=False)
+    hf_config: Any = field(init=False)
+    architecture: str = field(init=False)
+    model_info: ModelInfo = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model_path, self.model_format = resolve_model_path(self.model)
+        if self.served_model_name is None:
+            self.served_model_name = self.model or "SmolLM2-135M-Instruct"
+        self.hf_config = get_hf_config(self.model_path, self.model_format)
+        if not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"--hf-overrides must be a JSON object, got {self.hf_overrides!r}")
+        for key, value in self.hf_overrides.items():
+            setattr(self.hf_config, key, value)
+        self.dtype = self._resolve_dtype(self.dtype)
+        architectures = list(getattr(self.hf_config, "architectures", None) or [])
+        if not architectures:
+            raise ValueError(
+                f"{self.model_path} has no 'architectures' in its config; name one with "
+                "--hf-overrides '{\"architectures\": [\"LlamaForCausalLM\"]}'"
+            )
+        try:
+            self.model_info, self.architecture = ModelRegistry.inspect_model_cls(architectures, self)
+        except ModelRegistryError as e:
+            loaded = [r.name for r in plugin_records("loom.general_plugins") if r.status == "loaded"]
+            raise ValueError(
+                f"{e}. General plugins loaded: {', '.join(loaded) or '(none)'}. Install the plugin "
+                "that provides the architecture, or rename it with --hf-overrides."
+            ) from None
+        logger.info("Resolved architecture: %s", self.architecture)
+        derived = self._derived_max_model_len()
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        elif self.max_model_len > derived:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's context length {derived}"
+            )
+        elif self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+    def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if dtype == "auto":
+            config_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            if isinstance(config_dtype, str):
+                config_dtype = _DTYPES.get(config_dtype)
+            # Half precision on CPU is slow and lossy; quantized GGUF weights dequantize to fp32.
+            if config_dtype in (torch.float32, torch.bfloat16) and self.model_format != "gguf":
+                return config_dtype
+            return torch.float32
+        if dtype not in _DTYPES:
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        return _DTYPES[dtype]
+
+    def _derived_max_model_len(self) -> int:
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+            value = getattr(self.hf_config, key, None)
+            if value:
+                return int(value)
+        return 2048
+
+    # ---- shape helpers used by workers and the engine ---------------------------------
+    def get_hidden_size(self) -> int:
+        return int(self.hf_config.hidden_size)
+
+    def get_num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    def get_num_attention_heads(self) -> int:
+        return int(self.hf_config.num_attention_heads)
+
+    def get_num_kv_heads(self) -> int:
+        return int(getattr(self.hf_config, "num_key_value_heads", None) or self.get_num_attention_heads())
+
+    def get_head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return int(head_dim or self.get_hidden_size() // self.get_num_attention_heads())
+
+    def get_vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)

@@ -1,0 +1,72 @@
+"""What the scheduler hands the workers each step, and what the driver worker returns.
+
+These structs cross the engine-core -> worker boundary (a process boundary once the
+engine runs under the supervisor), so they hold only plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass(slots=True, kw_only=True)
+class NewRequestData:
+    """Sent the first step a request is scheduled (and again after a preemption)."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    prompt_len: int
+
+
+@dataclass(slots=True, kw_only=True)
+class ScheduledRequest:
+    """One request's work in this step."""
+
+    req_id: str
+    token_ids: list[int]
+    """Tokens whose KV is computed this step (a prompt chunk, or the last sampled token)."""
+    num_computed_tokens: int
+    """Tokens already in the KV cache; the first of ``token_ids`` sits at this position."""
+    block_ids: list[int]
+    """The request's whole block table."""
+    sample: bool
+    """True when this step reaches the end of the known tokens, so a token is sampled."""
+    num_output_tokens: int = 0
+    """Tokens generated so far (for min_tokens)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    """Requests that ended since the last step; workers drop their state."""
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True, kw_only=True)
+class SampledLogprobs:
+    """Logprobs of one sampled token: the sampled one and the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True, kw_only=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    """Requests that sampled a token this step, in scheduled order."""
+    sampled_token_ids: list[int]
+    logprobs: list[SampledLogprobs | None] | None = None

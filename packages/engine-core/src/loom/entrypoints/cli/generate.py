@@ -1,0 +1,37 @@
+"""``loom generate``: answer a prompt with a model, in this process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ...engine.arg_utils import EngineArgs
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("generate", help="generate text with a model, offline")
+    parser.add_argument("prompt", nargs="+", help="prompt text (several words are joined)")
+    parser.add_argument("--model", default=None, help="model path (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from ...entrypoints.llm import LLM
+    from ...sampling_params import SamplingParams
+
+    engine_args = EngineArgs.from_cli_args(args)
+    kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}
+    llm = LLM(args.model, **kwargs)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    prompt = " ".join(args.prompt)
+    has_template = getattr(llm.get_tokenizer(), "chat_template", None) is not None
+    if has_template and not args.raw:
+        out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+    else:
+        out = llm.generate(prompt, params)[0]
+    sys.stdout.write(out.outputs[0].text.strip() + "\n")
+    return 0

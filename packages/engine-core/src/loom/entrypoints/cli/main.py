@@ -1,0 +1,63 @@
+"""The ``loom`` command. Subcommand modules are imported only when chosen."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ...logger import init_logger
+
+logger = init_logger(__name__)
+
+# name -> (module, one-line help). Modules define add_parser(subparsers) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("loom.entrypoints.cli.generate", "generate text with a model, offline"),
+    "plugins": ("loom.entrypoints.cli.plugins", "show every plugin group, entry point and platform verdict"),
+    "collect-env": ("loom.entrypoints.cli.collect_env", "print versions, the platform and plugins"),
+}
+
+
+def _chosen(argv: list[str]) -> str | None:
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="loom: a plugin-first LLM inference server")
+    from ... import __version__
+
+    parser.add_argument("--version", action="version", version=f"loom {__version__}")
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
+    chosen = _chosen(argv)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if name == chosen:
+            importlib.import_module(module_name).add_parser(subparsers)
+        else:
+            subparsers.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        if args.subcommand is None:
+            parser.print_help()
+            return 2
+        module = importlib.import_module(SUBCOMMANDS[args.subcommand][0])
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as e:
+        # User-facing errors are one line; LOOM_LOGGING_LEVEL=DEBUG shows the traceback.
+        logger.debug("loom failed", exc_info=True)
+        print(f"loom: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

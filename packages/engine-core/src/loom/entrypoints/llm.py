@@ -1,0 +1,130 @@
+"""``loom.LLM``: offline generation through the engine, in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from ..engine.arg_utils import EngineArgs
+from ..logger import init_logger
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Generate text with a model. ``model=None`` uses the embedded default
+    (SmolLM2-135M-Instruct); other keyword arguments are engine arguments
+    (``dtype``, ``max_model_len``, ``block_size``, ``seed``, ``hf_overrides``, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        valid = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; valid: {', '.join(sorted(valid))}")
+        from .. import envs
+        from ..engine.executor import UniProcExecutor
+        from ..engine.llm_engine import LLMEngine
+        from ..transformers_utils.tokenizer import get_tokenizer
+
+        self.config = EngineArgs(model=model, **kwargs).create_engine_config()
+        self.tokenizer = get_tokenizer(self.config.model_config)
+        executor = UniProcExecutor(self.config)
+        self.llm_engine = LLMEngine(self.config, executor, self.tokenizer)
+        self._ids = itertools.count()
+        envs.enable_envs_cache()
+        logger.info("LLM is ready: %s", self.config.model_config.served_model_name)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def _to_request(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            vocab = self.config.model_config.get_vocab_size()
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            return prompt.get("prompt"), list(ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self._to_request(prompt["prompt"])
+        raise TypeError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        requests = [self._to_request(p) for p in prompts]  # validate all before adding any
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for (text, token_ids), params in zip(requests, params_list):
+                req_id = str(next(self._ids))
+                engine.add_request(req_id, text, token_ids, params)
+                ids.append(req_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            if getattr(self.tokenizer, "chat_template", None) is None and chat_template is None:
+                raise ValueError("this model's tokenizer has no chat template; pass chat_template=...")
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                tokenize=True,
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

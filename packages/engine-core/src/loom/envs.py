@@ -1,0 +1,68 @@
+"""``LOOM_*`` environment variables, read in one place.
+
+Values are read from the environment on each access until ``enable_envs_cache()``
+runs at the end of a process's start-up; from then on the first value read is kept,
+so a late change to the environment cannot change a running serve's behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+_cache_enabled = False
+_cache: dict[str, Any] = {}
+
+
+def _str_or_none(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name)
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    return lambda: float(os.environ.get(name, default))
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Comma-separated entry-point names of plugins to load; unset = all, "" = none.
+    "LOOM_PLUGINS": _str_or_none("LOOM_PLUGINS"),
+    # Force a platform by detector name (e.g. "cpu", "dummy_platform_plugin").
+    "LOOM_PLATFORM": _str_or_none("LOOM_PLATFORM"),
+    # Force an attention backend name; passed to Platform.get_attn_backend_cls.
+    "LOOM_ATTENTION_BACKEND": _str_or_none("LOOM_ATTENTION_BACKEND"),
+    # GiB of memory the CPU platform gives the KV cache (default: what the model needs, at most 4).
+    "LOOM_CPU_KVCACHE_SPACE": _str_or_none("LOOM_CPU_KVCACHE_SPACE"),
+    # Where converted weights (GGUF -> safetensors) are cached.
+    "LOOM_CACHE_DIR": lambda: os.environ.get(
+        "LOOM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "loom")
+    ),
+    "LOOM_LOGGING_LEVEL": lambda: os.environ.get("LOOM_LOGGING_LEVEL", "INFO").upper(),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in environment_variables:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if _cache_enabled:
+        if name not in _cache:
+            _cache[name] = environment_variables[name]()
+        return _cache[name]
+    return environment_variables[name]()
+
+
+def enable_envs_cache() -> None:
+    """Freeze every ``LOOM_*`` variable at its current value (end of start-up)."""
+    global _cache_enabled
+    for name, getter in environment_variables.items():
+        _cache[name] = getter()
+    _cache_enabled = True
+
+
+def is_envs_cache_enabled() -> bool:
+    return _cache_enabled
+
+
+def _disable_envs_cache_for_tests() -> None:
+    global _cache_enabled
+    _cache_enabled = False
+    _cache.clear()

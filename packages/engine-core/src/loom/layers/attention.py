@@ -1,0 +1,43 @@
+"""The attention layer of every model: asks the selector for a backend, runs its impl."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from loom_plugin_api import get_current_config
+
+from ..attention.selector import get_attn_backend
+from ..forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's KV cache.
+
+    ``forward(q, k, v)`` takes the step's new tokens, flattened: q ``(T, num_heads *
+    head_size)``, k/v ``(T, num_kv_heads * head_size)``. The worker binds
+    ``self.kv_cache`` after it allocates the cache.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        config = get_current_config()
+        dtype = config.model_config.dtype if config is not None else torch.get_default_dtype()
+        block_size = config.cache_config.block_size if config is not None else None
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.layer_name = prefix
+        self.attn_backend = get_attn_backend(head_size, dtype, "auto", block_size, num_heads)
+        self.impl = self.attn_backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads)
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        attn_metadata = get_forward_context().attn_metadata
+        return self.impl.forward(self, query, key, value, self.kv_cache, attn_metadata)

@@ -1,0 +1,190 @@
+"""Platform resolution: ``current_platform`` is decided on first use in each process.
+
+Rules (stop 3 of the start-up):
+
+1. Built-in detectors run first (``cuda``, then ``cpu``), then every out-of-tree
+   detector of the ``loom.platform_plugins`` group, in entry-point order.
+2. Exactly one out-of-tree detector answering wins over the built-ins; it is called a
+   second time for the class name. Two or more answering is an error naming them.
+3. With no out-of-tree answer, the first built-in that answered wins (cuda before cpu).
+4. ``LOOM_PLATFORM=<detector name>`` forces that detector's answer.
+
+Every verdict (answered, None, or raised with its reason) is logged and kept in
+``detector_verdicts()`` for ``loom plugins``. ``import loom`` does not resolve anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from loom_plugin_api import PLATFORM_PLUGINS_GROUP, PlatformError, load_plugins_by_group
+from loom_plugin_api import context as _plugin_context
+from loom_plugin_api._qualname import resolve_obj_by_qualname
+from loom_plugin_api.loader import plugin_records
+
+from .. import envs
+from ..logger import init_logger
+
+if TYPE_CHECKING:
+    from loom_plugin_api import Platform
+
+    current_platform: Platform
+
+logger = init_logger(__name__)
+
+__all__ = ["DetectorVerdict", "current_platform", "detector_verdicts", "resolve_current_platform"]
+
+
+def cuda_platform_plugin() -> str | None:
+    """Built-in detector: the CUDA platform, when its wheel is installed and a GPU is visible."""
+    import importlib.util
+
+    if importlib.util.find_spec("loom_platform_cuda") is None:
+        raise _NotAvailable("loom-platform-cuda is not installed")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise _NotAvailable("no CUDA device is visible to torch")
+    return "loom_platform_cuda.platform.CudaPlatform"
+
+
+def cpu_platform_plugin() -> str | None:
+    """Built-in detector: the CPU platform answers on every host."""
+    return "loom.platforms.cpu.CpuPlatform"
+
+
+builtin_platform_plugins: dict[str, Callable[[], str | None]] = {
+    "cuda": cuda_platform_plugin,
+    "cpu": cpu_platform_plugin,
+}
+
+
+class _NotAvailable(Exception):
+    """A built-in detector's reason for answering None."""
+
+
+@dataclass(slots=True, kw_only=True)
+class DetectorVerdict:
+    name: str
+    builtin: bool
+    answer: str | None = None
+    reason: str | None = None  # why None, or the exception when it raised
+    raised: bool = False
+    won: bool = False
+
+    def describe(self) -> str:
+        if self.raised:
+            return f"raised: {self.reason}"
+        if self.answer is None:
+            return "None" + (f" ({self.reason})" if self.reason else "")
+        return f"answered {self.answer}" + (" [winner]" if self.won else "")
+
+
+_current_platform: Platform | None = None
+_verdicts: list[DetectorVerdict] = []
+
+
+def _run_detector(name: str, func: Callable[[], str | None], builtin: bool) -> DetectorVerdict:
+    verdict = DetectorVerdict(name=name, builtin=builtin)
+    try:
+        answer = func()
+    except _NotAvailable as e:
+        verdict.reason = str(e)
+    except Exception as e:  # reported at WARNING and shown by `loom plugins`, never hidden
+        verdict.raised = True
+        verdict.reason = f"{type(e).__name__}: {e}"
+        logger.warning("Platform plugin %s failed during detection: %s", name, verdict.reason)
+    else:
+        if answer is not None and not isinstance(answer, str):
+            verdict.raised = True
+            verdict.reason = f"returned {answer!r}, not a qualified class name or None"
+            logger.warning("Platform plugin %s is invalid: %s", name, verdict.reason)
+        else:
+            verdict.answer = answer
+    logger.info("Platform detector %s: %s", name, verdict.describe())
+    return verdict
+
+
+def resolve_current_platform() -> Platform:
+    """Run every detector and build this process's platform (called once per process)."""
+    start = time.perf_counter()
+    oot_plugins = load_plugins_by_group(PLATFORM_PLUGINS_GROUP)
+    verdicts: list[DetectorVerdict] = []
+    for name, func in builtin_platform_plugins.items():
+        verdicts.append(_run_detector(name, func, builtin=True))
+    for record in plugin_records(PLATFORM_PLUGINS_GROUP):
+        if record.status == "failed":
+            verdicts.append(DetectorVerdict(
+                name=record.name, builtin=False, raised=True, reason=f"failed to load: {record.error}",
+            ))
+    for name, func in oot_plugins.items():
+        verdicts.append(_run_detector(name, func, builtin=False))
+    _verdicts[:] = verdicts
+
+    forced = envs.LOOM_PLATFORM
+    answered = [v for v in verdicts if v.answer is not None]
+    oot = [v for v in answered if not v.builtin]
+    if forced:
+        chosen = [v for v in verdicts if v.name == forced]
+        if not chosen or chosen[0].answer is None:
+            known = ", ".join(v.name for v in verdicts)
+            why = "is not installed" if not chosen else f"did not answer ({chosen[0].describe()})"
+            raise PlatformError(f"LOOM_PLATFORM={forced!r} {why}; detectors: {known}")
+        winner = chosen[0]
+        qualname = winner.answer
+    elif len(oot) >= 2:
+        raise PlatformError(
+            "Only one platform plugin can be activated, but these out-of-tree plugins all "
+            f"answered: {[v.name for v in oot]}. Uninstall all but one, or choose one with "
+            "LOOM_PLATFORM=<name> or LOOM_PLUGINS."
+        )
+    elif len(oot) == 1:
+        winner = oot[0]
+        qualname = oot_plugins[winner.name]()  # asked again for the class name, as the tour does
+        logger.info("Platform plugin %s is activated", winner.name)
+    elif answered:
+        winner = answered[0]
+        qualname = winner.answer
+    else:
+        raise PlatformError("no platform detector answered; install a platform plugin")
+    winner.won = True
+    if not isinstance(qualname, str):
+        raise PlatformError(f"platform plugin {winner.name} returned {qualname!r} when asked again")
+    platform_cls = resolve_obj_by_qualname(qualname)
+    platform = platform_cls()
+    logger.info(
+        "Resolved platform %s (%s) from detector %s in %.3f s",
+        type(platform).__name__, platform.device_name, winner.name, time.perf_counter() - start,
+    )
+    return platform
+
+
+def detector_verdicts() -> list[DetectorVerdict]:
+    """Each detector's verdict from this process's resolution (empty before it)."""
+    return list(_verdicts)
+
+
+def _get_current_platform() -> Platform:
+    global _current_platform
+    if _current_platform is None:
+        _current_platform = resolve_current_platform()
+    return _current_platform
+
+
+def _reset_for_tests() -> None:
+    global _current_platform
+    _current_platform = None
+    _verdicts.clear()
+
+
+_plugin_context.set_platform_resolver(_get_current_platform)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "current_platform":
+        return _get_current_platform()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

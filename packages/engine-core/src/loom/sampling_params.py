@@ -1,0 +1,61 @@
+"""SamplingParams: how to pick each next token, and when to stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 disables top-k."""
+    seed: int | None = None
+    max_tokens: int | None = 16
+    """None: until max_model_len."""
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Number of top logprobs to return per generated token (plus the sampled one)."""
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}"),
+            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
+            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS

@@ -1,0 +1,96 @@
+"""ModelRunner: runs one step of the model on this worker and samples the next tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..config import LoomConfig
+from ..engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from ..forward_context import set_forward_context
+from ..layers.attention import Attention
+from ..layers.sampler import Sampler, SamplingMetadata
+from ..logger import init_logger
+from ..sampling_params import SamplingParams
+from .input_batch import prepare_inputs
+
+logger = init_logger(__name__)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    seen_token_ids: list[int] | None = field(default=None)
+
+
+class ModelRunner:
+    def __init__(self, config: LoomConfig, model: nn.Module, device: torch.device) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.sampler = Sampler()
+        self.requests: dict[str, _RequestState] = {}
+        eos = getattr(config.model_config.hf_config, "eos_token_id", None)
+        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+
+    # ---- KV cache ---------------------------------------------------------------------
+    def kv_cache_block_bytes(self) -> int:
+        block_size = self.config.cache_config.block_size
+        itemsize = torch.empty(0, dtype=self.config.model_config.dtype).element_size()
+        return sum(
+            2 * block_size * layer.num_kv_heads * layer.head_size * itemsize for layer in self.attn_layers
+        )
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        block_size = self.config.cache_config.block_size
+        for layer in self.attn_layers:
+            shape = layer.attn_backend.get_kv_cache_shape(
+                num_blocks, block_size, layer.num_kv_heads, layer.head_size
+            )
+            # Unwritten slots are never read: the backend only gathers positions in context.
+            layer.kv_cache = torch.empty(shape, dtype=self.config.model_config.dtype, device=self.device)
+
+    # ---- one step -----------------------------------------------------------------------
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.new_requests:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None and not params.is_greedy:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            seen = [] if params.repetition_penalty != 1.0 else None
+            self.requests[new.req_id] = _RequestState(params, generator, seen)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        for r in scheduler_output.scheduled:
+            state = self.requests[r.req_id]
+            if state.seen_token_ids is not None:
+                state.seen_token_ids.extend(r.token_ids)
+        inputs = prepare_inputs(scheduler_output, self.config.cache_config.block_size, self.device)
+        with set_forward_context(inputs.attn_metadata):
+            hidden_states = self.model(inputs.input_ids, inputs.positions)
+        if not inputs.sample_req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        logits = self.model.compute_logits(hidden_states[inputs.logits_indices]).float()
+        by_id = {r.req_id: r for r in scheduler_output.scheduled}
+        states = [self.requests[i] for i in inputs.sample_req_ids]
+        metadata = SamplingMetadata.from_requests(
+            [s.sampling_params for s in states],
+            [s.generator for s in states],
+            [by_id[i].num_output_tokens for i in inputs.sample_req_ids],
+            self.eos_token_id,
+            [s.seen_token_ids or [] for s in states] if any(s.seen_token_ids is not None for s in states)
+            else None,
+        )
+        token_ids, logprobs = self.sampler(logits, metadata)
+        return ModelRunnerOutput(req_ids=inputs.sample_req_ids, sampled_token_ids=token_ids, logprobs=logprobs)

@@ -1,0 +1,27 @@
+"""The reference out-of-tree platform. Vendors: copy this package and change the device.
+
+Two plugins, in two groups (see pyproject.toml):
+
+* ``loom.platform_plugins``: ``dummy_platform_plugin`` — the detector;
+* ``loom.general_plugins``: ``dummy_custom_ops`` — registers ``DummyRotaryEmbedding``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["dummy_platform_plugin", "register_ops"]
+
+
+def dummy_platform_plugin() -> str | None:
+    """Detector: a real one checks for its device and returns None when it is absent.
+
+    This reference device is always present. Detectors often import engine modules
+    while they run; that must work, so this one does too.
+    """
+    from loom.platforms.cpu import CpuPlatform  # noqa: F401
+
+    return "loom_platform_dummy.dummy_platform.DummyPlatform"
+
+
+def register_ops() -> None:
+    """General plugin: importing the module registers the replacement op (once per process)."""
+    from . import custom_ops  # noqa: F401

@@ -1,0 +1,26 @@
+"""The dummy platform's replacement op, registered for ``RotaryEmbedding``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from loom.layers.rotary_embedding import RotaryEmbedding
+
+
+@RotaryEmbedding.register_oot
+class DummyRotaryEmbedding(RotaryEmbedding):
+    """Rotary embedding that runs through ``forward_oot`` on the dummy platform.
+
+    ``forward_oot_calls`` counts calls in this process, so tests can see it ran.
+    """
+
+    forward_oot_calls = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.addition_config = True
+
+    def forward_oot(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        type(self).forward_oot_calls += 1
+        return super().forward_oot(*args, **kwargs)

@@ -1,0 +1,5 @@
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("loom.platform_dummy")

@@ -1,0 +1,13 @@
+"""The dummy platform's worker: the CPU worker's steps, under the platform's own class."""
+
+from __future__ import annotations
+
+from loom.worker.cpu_worker import CPUWorker
+
+from .logging import logger
+
+
+class DummyWorker(CPUWorker):
+    def init_device(self) -> None:
+        super().init_device()
+        logger.info("DummyWorker rank %d owns DummyDevice (host memory)", self.rank)

@@ -1,0 +1,54 @@
+"""loom's plugin contract.
+
+Vendors and model authors depend on this package (``loom-plugin-api>=1,<2``), never on
+engine internals. Docstrings here are the specification: when each hook runs, in which
+process, how often, and what it may change.
+"""
+
+from __future__ import annotations
+
+from ._groups import (
+    ENDPOINT_PLUGINS_GROUP,
+    GENERAL_PLUGINS_GROUP,
+    PLATFORM_PLUGINS_GROUP,
+    STAT_LOGGER_PLUGINS_GROUP,
+)
+from ._qualname import resolve_obj_by_qualname
+from .attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionSelectorConfig
+from .context import get_current_config, get_current_platform, set_current_config
+from .custom_op import CustomOp
+from .errors import CustomOpError, ModelRegistryError, PlatformError, PluginError
+from .loader import load_general_plugins, load_plugins_by_group, plugin_records
+from .model_registry import ModelInfo, ModelRegistry
+from .platform import Platform, PlatformEnum
+from .worker import WorkerBase
+
+__version__ = "1.0.0"
+
+__all__ = [
+    "ENDPOINT_PLUGINS_GROUP",
+    "GENERAL_PLUGINS_GROUP",
+    "PLATFORM_PLUGINS_GROUP",
+    "STAT_LOGGER_PLUGINS_GROUP",
+    "AttentionBackend",
+    "AttentionImpl",
+    "AttentionMetadata",
+    "AttentionSelectorConfig",
+    "CustomOp",
+    "CustomOpError",
+    "ModelInfo",
+    "ModelRegistry",
+    "ModelRegistryError",
+    "Platform",
+    "PlatformEnum",
+    "PlatformError",
+    "PluginError",
+    "WorkerBase",
+    "get_current_config",
+    "get_current_platform",
+    "load_general_plugins",
+    "load_plugins_by_group",
+    "plugin_records",
+    "resolve_obj_by_qualname",
+    "set_current_config",
+]

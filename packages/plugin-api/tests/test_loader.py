@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import make_dist
+from loom_plugin_api import PluginError, load_general_plugins, load_plugins_by_group, plugin_records
+from loom_plugin_api.loader import general_plugins_loaded
+
+GROUP = "loom.general_plugins"
+
+MODULE = """
+calls = []
+def first():
+    calls.append("first")
+def second():
+    calls.append("second")
+def boom():
+    raise RuntimeError("kaput")
+NOT_CALLABLE = 3
+"""
+
+
+def test_loads_group_with_distribution(fake_site):
+    make_dist(fake_site, "fake-a", {GROUP: {"p_first": "fakeplug_a:first"}}, {"fakeplug_a": MODULE})
+    plugins = load_plugins_by_group(GROUP)
+    assert "p_first" in plugins and callable(plugins["p_first"])
+    record = next(r for r in plugin_records(GROUP) if r.name == "p_first")
+    assert (record.distribution, record.version, record.status) == ("fake-a", "0.1", "loaded")
+    assert load_plugins_by_group(GROUP) is plugins  # cached per process
+
+
+def test_loom_plugins_filters_and_warns_on_unknown(fake_site, monkeypatch, caplog):
+    make_dist(fake_site, "fake-a", {GROUP: {"p_first": "fakeplug_a:first", "p_second": "fakeplug_a:second"}},
+              {"fakeplug_a": MODULE})
+    monkeypatch.setenv("LOOM_PLUGINS", " p_second , nosuch")
+    with caplog.at_level(logging.WARNING, logger="loom.plugins"):
+        plugins = load_plugins_by_group(GROUP)
+    assert list(plugins) == ["p_second"]
+    statuses = {r.name: r.status for r in plugin_records(GROUP)}
+    assert statuses["p_first"] == "filtered"
+    warning = next(r.getMessage() for r in caplog.records if "nosuch" in r.getMessage())
+    assert "p_first" in warning and "p_second" in warning
+
+
+def test_empty_loom_plugins_loads_none(fake_site, monkeypatch):
+    make_dist(fake_site, "fake-a", {GROUP: {"p_first": "fakeplug_a:first"}}, {"fakeplug_a": MODULE})
+    monkeypatch.setenv("LOOM_PLUGINS", "")
+    assert load_plugins_by_group(GROUP) == {}
+
+
+def test_import_failure_is_reported_not_skipped(fake_site, caplog):
+    make_dist(fake_site, "fake-b", {GROUP: {"broken": "fakeplug_missing:func"}})
+    with caplog.at_level(logging.ERROR, logger="loom.plugins"):
+        plugins = load_plugins_by_group(GROUP)
+    assert "broken" not in plugins
+    record = next(r for r in plugin_records(GROUP) if r.name == "broken")
+    assert record.status == "failed" and "fakeplug_missing" in record.error
+    message = caplog.records[-1].getMessage()
+    assert "broken" in message and GROUP in message and "ModuleNotFoundError" in message
+    with pytest.raises(PluginError, match="broken"):
+        load_general_plugins()
+
+
+def test_non_callable_entry_point_fails(fake_site):
+    make_dist(fake_site, "fake-a", {GROUP: {"nc": "fakeplug_a:NOT_CALLABLE"}}, {"fakeplug_a": MODULE})
+    assert load_plugins_by_group(GROUP) == {}
+    assert "not a callable" in plugin_records(GROUP)[0].error
+
+
+def test_general_plugins_run_once_in_order(fake_site, monkeypatch):
+    make_dist(fake_site, "fake-a", {GROUP: {"p_first": "fakeplug_a:first", "p_second": "fakeplug_a:second"}},
+              {"fakeplug_a": MODULE})
+    monkeypatch.setenv("LOOM_PLUGINS", "p_first,p_second")
+    load_general_plugins()
+    load_general_plugins()
+    import fakeplug_a
+
+    assert fakeplug_a.calls == ["first", "second"]
+    assert general_plugins_loaded()
+
+
+def test_raising_general_plugin_names_itself(fake_site, monkeypatch):
+    make_dist(fake_site, "fake-a", {GROUP: {"p_boom": "fakeplug_a:boom"}}, {"fakeplug_a": MODULE})
+    monkeypatch.setenv("LOOM_PLUGINS", "p_boom")
+    with pytest.raises(PluginError, match=r"'p_boom'.*fake-a.*RuntimeError: kaput.*LOOM_PLUGINS"):
+        load_general_plugins()
