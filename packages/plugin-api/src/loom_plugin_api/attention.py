@@ -91,6 +91,10 @@ class AttentionImpl(ABC):
         Shapes: query ``(T, num_heads * head_size)``, key/value
         ``(T, num_kv_heads * head_size)``; returns ``(T, num_heads * head_size)``.
         Each new token attends causally to its request's context.
+
+        Write the K/V of every token of the step before reading any context: requests of
+        one step may share blocks (a prefix-cache hit on a block that another request of
+        the same step fills, e.g. the ``n > 1`` copies of one prompt).
         """
 
 

@@ -7,8 +7,6 @@ from dataclasses import dataclass
 class LoadConfig:
     load_format: str = "auto"
     """``auto`` (by what the model path holds), ``safetensors``, ``gguf`` or ``dummy`` (random)."""
-    cache_dir: str | None = None
-    """Where converted weights are cached; None means LOOM_CACHE_DIR."""
 
     def __post_init__(self) -> None:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):

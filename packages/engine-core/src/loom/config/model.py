@@ -77,7 +77,7 @@ class ModelConfig:
         if isinstance(dtype, torch.dtype):
             return dtype
         if dtype == "auto":
-            config_dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+            config_dtype = getattr(self.hf_config, "dtype", None)
             if isinstance(config_dtype, str):
                 config_dtype = _DTYPES.get(config_dtype)
             # Half precision on CPU is slow and lossy; quantized GGUF weights dequantize to fp32.

@@ -18,6 +18,10 @@ class NewRequestData:
     req_id: str
     sampling_params: SamplingParams
     prompt_len: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+    """For penalties over the prompt (prefix-cached prompt tokens are never scheduled)."""
+    eos_token_id: int | None = None
+    """The engine's EOS for this request; min_tokens masks it."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -15,7 +15,6 @@ Every verdict (answered, None, or raised with its reason) is logged and kept in
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass

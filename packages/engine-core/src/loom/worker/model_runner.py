@@ -24,6 +24,7 @@ class _RequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     seen_token_ids: list[int] | None = field(default=None)
+    """Prompt and generated tokens, kept only when a repetition penalty needs them."""
 
 
 class ModelRunner:
@@ -33,8 +34,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
-        eos = getattr(config.model_config.hf_config, "eos_token_id", None)
-        self.eos_token_id: int | None = eos[0] if isinstance(eos, list) else eos
+        self.eos_token_id: int | None = None  # the engine's, sent with each new request
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
 
     # ---- KV cache ---------------------------------------------------------------------
@@ -59,12 +59,17 @@ class ModelRunner:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in scheduler_output.new_requests:
+            if new.req_id in self.requests:
+                # Resumed after a preemption: keep the seeded generator where it was, so the
+                # output does not depend on memory pressure.
+                continue
+            self.eos_token_id = new.eos_token_id
             params = new.sampling_params
             generator = None
             if params.seed is not None and not params.is_greedy:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
-            seen = [] if params.repetition_penalty != 1.0 else None
+            seen = list(new.prompt_token_ids) if params.repetition_penalty != 1.0 else None
             self.requests[new.req_id] = _RequestState(params, generator, seen)
 
     @torch.inference_mode()
@@ -72,10 +77,6 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        for r in scheduler_output.scheduled:
-            state = self.requests[r.req_id]
-            if state.seen_token_ids is not None:
-                state.seen_token_ids.extend(r.token_ids)
         inputs = prepare_inputs(scheduler_output, self.config.cache_config.block_size, self.device)
         with set_forward_context(inputs.attn_metadata):
             hidden_states = self.model(inputs.input_ids, inputs.positions)
@@ -93,4 +94,7 @@ class ModelRunner:
             else None,
         )
         token_ids, logprobs = self.sampler(logits, metadata)
+        for state, token_id in zip(states, token_ids):
+            if state.seen_token_ids is not None:
+                state.seen_token_ids.append(token_id)
         return ModelRunnerOutput(req_ids=inputs.sample_req_ids, sampled_token_ids=token_ids, logprobs=logprobs)

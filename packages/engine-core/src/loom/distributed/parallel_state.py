@@ -1,0 +1,123 @@
+"""Tensor-parallel state of this process: its rank, the group size, and the collectives.
+
+Without ``initialize_model_parallel`` (or with a group of one) every function here is
+the identity of a single rank: world size 1, rank 0, collectives that return their
+input. A worker with ``--tensor-parallel-size N > 1`` first joins ``torch.distributed``
+(its platform's backend: gloo on CPU, NCCL on CUDA), then calls
+``initialize_model_parallel(N)``; the layers read the state when they are built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from loom_plugin_api import resolve_obj_by_qualname
+
+__all__ = [
+    "TensorParallelGroup",
+    "destroy_model_parallel",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_world_size",
+    "get_tp_group",
+    "initialize_model_parallel",
+    "model_parallel_is_initialized",
+    "tensor_model_parallel_all_gather",
+    "tensor_model_parallel_all_reduce",
+]
+
+
+@dataclass(slots=True)
+class TensorParallelGroup:
+    """This rank's view of its tensor-parallel group."""
+
+    world_size: int
+    rank: int
+    group: Any = None  # torch.distributed ProcessGroup; None for a single rank
+    communicator: Any = None  # the platform's communicator; None for a single rank
+
+
+_SINGLE = TensorParallelGroup(world_size=1, rank=0)
+_TP: TensorParallelGroup | None = None
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, communicator_cls: str | None = None) -> None:
+    """Record this process's tensor-parallel group (once per worker, after ``init_process_group``).
+
+    With a size of 1 nothing distributed is needed. Otherwise ``torch.distributed`` must be
+    initialized and its world size must be a multiple of the TP size; ranks
+    ``[k*N, (k+1)*N)`` form a group. ``communicator_cls`` (a qualified name) defaults to
+    the current platform's ``get_device_communicator_cls()``.
+    """
+    global _TP
+    tp = tensor_model_parallel_size
+    if tp < 1:
+        raise ValueError(f"tensor-parallel size must be >= 1, got {tp}")
+    if tp == 1:
+        _TP = _SINGLE
+        return
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"tensor-parallel size {tp} needs torch.distributed; call "
+            "torch.distributed.init_process_group() before initialize_model_parallel()"
+        )
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"torch.distributed world size {world} is not a multiple of tensor-parallel size {tp}")
+    rank = dist.get_rank()
+    if world == tp:
+        group = dist.group.WORLD
+    else:
+        # new_group is collective: every rank creates every group, keeps its own.
+        group = None
+        for start in range(0, world, tp):
+            ranks = list(range(start, start + tp))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                group = g
+    if communicator_cls is None:
+        from ..platforms import current_platform
+
+        communicator_cls = current_platform.get_device_communicator_cls()
+    communicator = resolve_obj_by_qualname(communicator_cls)(group)
+    _TP = TensorParallelGroup(world_size=tp, rank=dist.get_rank(group), group=group, communicator=communicator)
+
+
+def model_parallel_is_initialized() -> bool:
+    return _TP is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget the group (the process group itself belongs to whoever initialized it)."""
+    global _TP
+    _TP = None
+
+
+def get_tp_group() -> TensorParallelGroup:
+    return _TP if _TP is not None else _SINGLE
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_tp_group().world_size
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_tp_group().rank
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the TP group (identity for one rank)."""
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return x
+    return tp.communicator.all_reduce(x)
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate ``x`` of every TP rank along ``dim`` (identity for one rank)."""
+    tp = get_tp_group()
+    if tp.world_size == 1:
+        return x
+    return tp.communicator.all_gather(x, dim)

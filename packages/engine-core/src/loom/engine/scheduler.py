@@ -1,0 +1,225 @@
+"""Scheduler: continuous batching over the KV-cache block pool (vLLM v1's, small).
+
+Each step: running requests first, in arrival order (a decode is one token; a request
+still prefilling gets its next chunk), then waiting requests in arrival order, all under
+the token budget ``max_num_batched_tokens`` and ``max_num_seqs`` running requests.
+Prefill and decode share one step. When blocks run out, the most recently arrived
+running request is preempted: its blocks are freed and it goes back to the front of the
+waiting queue, to be recomputed from scratch (prompt and generated tokens alike).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+
+from ..config import CacheConfig, SchedulerConfig
+from ..logger import init_logger
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
+from .scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+
+logger = init_logger(__name__)
+
+
+def _arrival(request: Request) -> int:
+    return request.arrival
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        block_manager: BlockManager,
+    ) -> None:
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        # A sequence can never outgrow the whole cache; past that it ends as "length".
+        self.max_len = min(max_model_len, block_manager.num_blocks * block_manager.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        """Kept sorted by arrival, so the tail is the one to preempt."""
+        self.requests: dict[str, Request] = {}
+        """Every unfinished request, waiting or running."""
+        self.finished_req_ids: list[str] = []
+        """Freed since the last schedule(); the next SchedulerOutput tells the workers."""
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, or a stop string the engine found)."""
+        finished = []
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            finished.append(req)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        new_requests: list[NewRequestData] = []
+        running = self.running
+        num_preemptions = self.num_preemptions
+
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            # 1 for a decode; the rest of the prompt for a request in chunked prefill.
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, num_new):
+                break  # req itself was preempted, and it was the last one running
+            scheduled.append(self._schedule(req, num_new))
+            budget -= num_new
+            i += 1
+        preempted = self.num_preemptions > num_preemptions
+
+        # New work waits while requests are being preempted: admitting it would only take
+        # the blocks the preempted ones need back.
+        while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = self.waiting[0]
+            computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
+            num_new = req.num_tokens - num_cached
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break  # FCFS: it waits for a step with room; later requests wait behind it
+                num_new = budget
+            if not self.block_manager.allocate_slots(req, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            bisect.insort(running, req, key=_arrival)
+            # Sent again after a preemption: the workers start the request over.
+            new_requests.append(NewRequestData(
+                req_id=req.request_id, sampling_params=req.sampling_params, prompt_len=req.num_prompt_tokens,
+                prompt_token_ids=req.prompt_token_ids, eos_token_id=req.eos_token_id,
+            ))
+            scheduled.append(self._schedule(req, num_new))
+            budget -= num_new
+
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        return SchedulerOutput(new_requests=new_requests, scheduled=scheduled, finished_req_ids=finished)
+
+    def _allocate_or_preempt(self, req: Request, num_new: int) -> bool:
+        """Allocate for a running request, preempting from the tail until it fits.
+
+        False when ``req`` itself had to go. The tail is never a request already scheduled
+        this step: those sit before ``req`` in ``running``.
+        """
+        while not self.block_manager.allocate_slots(req, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
+
+    def _schedule(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        end = start + num_new
+        # Advanced now, as vLLM does: the KV of these tokens is being computed this step.
+        req.num_computed_tokens = end
+        return ScheduledRequest(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[start:end],
+            num_computed_tokens=start,
+            block_ids=req.block_ids,
+            sample=end == req.num_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Append the sampled tokens and check the stop conditions.
+
+        Returns the requests that got a token this step, finished ones included (their
+        blocks are already freed). Stop strings are the engine's: it needs the text.
+        """
+        updated: list[Request] = []
+        any_finished = False
+        logprobs = model_runner_output.logprobs
+        requests = self.requests
+        for k, req_id in enumerate(model_runner_output.req_ids):
+            req = requests.get(req_id)
+            if req is None:  # aborted while the step ran
+                continue
+            token_id = model_runner_output.sampled_token_ids[k]
+            req.append_output_token(token_id)
+            if logprobs is not None:
+                lp = logprobs[k]
+                if lp is not None:
+                    req.logprobs.append(lp)
+                    req.cumulative_logprob += lp.logprob
+            if self._check_stop(req, token_id):
+                self._free(req)
+                any_finished = True
+            updated.append(req)
+        if any_finished:
+            self.running = [r for r in self.running if not r.status.is_finished]
+        return updated
+
+    def _check_stop(self, req: Request, token_id: int) -> bool:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token_id == req.eos_token_id and not params.ignore_eos:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = token_id
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

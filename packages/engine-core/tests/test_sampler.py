@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import torch
+from loom.layers.sampler import Sampler, SamplingMetadata
+from loom.sampling_params import SamplingParams
+
+V = 64
+EOS = 3
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators=None, num_output=None, seen=None):
+    generators = generators if generators is not None else [None] * len(params)
+    num_output = num_output if num_output is not None else [0] * len(params)
+    md = SamplingMetadata.from_requests(params, generators, num_output, EOS, seen)
+    return Sampler()(logits.clone(), md)
+
+
+def gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def random_logits(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=gen(seed)) * 3
+
+
+def test_greedy_is_argmax_fast_path():
+    logits = random_logits(5)
+    tokens, logprobs = sample(logits, [SamplingParams(temperature=0.0)] * 5)
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs is None
+
+
+def test_mixed_greedy_and_random_rows():
+    logits = random_logits(6)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, top_k=5) for i in range(6)]
+    tokens, _ = sample(logits, params)
+    for i in range(1, 6, 2):
+        assert tokens[i] == int(logits[i].argmax())
+    for i in range(0, 6, 2):  # top-5 keeps the draw among the 5 best
+        assert tokens[i] in logits[i].topk(5).indices.tolist()
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy():
+    logits = random_logits(8)
+    greedy = logits.argmax(-1).tolist()
+    for _ in range(3):
+        assert sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 8)[0] == greedy
+        assert sample(logits, [SamplingParams(temperature=1.5, top_p=1e-6)] * 8)[0] == greedy
+        assert sample(logits, [SamplingParams(temperature=1.5, top_p=1e-6, top_k=10)] * 8)[0] == greedy
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (V - 4)]))
+    seen = set()
+    for seed in range(200):
+        seen.add(sample(logits, [SamplingParams(temperature=1.0, top_p=0.7)], [gen(seed)])[0][0])
+    assert seen == {0, 1}
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    logits = random_logits(6, seed=1)
+    params = SamplingParams(temperature=1.0, seed=7)
+    alone = [sample(logits[2:3], [params], [gen(7)])[0][0] for _ in range(2)]
+    assert alone[0] == alone[1]
+    for batch_seed in range(5):
+        batch = torch.cat([random_logits(2, seed=10 + batch_seed), logits[2:3], random_logits(3, seed=20)])
+        ps = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0), params] + [SamplingParams()] * 3
+        gens = [None, None, gen(7), gen(99), None, None]
+        assert sample(batch, ps, gens)[0][2] == alone[0]
+    # And a sequence of draws from one generator repeats with the same seed.
+    g1, g2 = gen(3), gen(3)
+    seq1 = [sample(logits, [params] * 6, [g1] + [None] * 5)[0][0] for _ in range(10)]
+    seq2 = [sample(logits, [params] * 6, [g2] + [None] * 5)[0][0] for _ in range(10)]
+    assert seq1 == seq2 and len(set(seq1)) > 1
+
+
+def test_random_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (V - 3))
+    logits = torch.log(probs.clamp_min(1e-12)).expand(4000, V).contiguous()
+    tokens, _ = sample(logits, [SamplingParams(temperature=1.0)] * 4000)
+    counts = torch.bincount(torch.tensor(tokens), minlength=V).float() / 4000
+    assert torch.allclose(counts[:3], probs[:3], atol=0.04)
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    logits = torch.zeros(3, V)
+    logits[:, EOS] = 10.0
+    logits[:, 7] = 9.0
+    logits[:, 5] = 8.0
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=2),
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[7]),
+        SamplingParams(temperature=0.0, min_tokens=2),
+    ]
+    tokens, _ = sample(logits, params, num_output=[1, 0, 2])
+    assert tokens == [7, 5, EOS]  # the third row reached min_tokens
+    ignore = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert sample(logits[:1], [ignore], num_output=[0])[0] == [EOS]
+
+
+def test_logprobs_match_log_softmax_of_raw_logits():
+    logits = random_logits(4, seed=3)
+    ref = torch.log_softmax(logits, -1)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.7, top_k=4, logprobs=0, seed=1),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, logprobs=5, repetition_penalty=1.3),
+    ]
+    tokens, lps = sample(logits, params, [None, gen(1), None, None], seen=[[], [], [], [1, 2, 3]])
+    assert lps[2] is None
+    for i in (0, 1, 3):
+        lp = lps[i]
+        assert lp.token_id == tokens[i]
+        assert abs(lp.logprob - float(ref[i, tokens[i]])) < 1e-5
+        assert lp.rank == int((ref[i] > ref[i, tokens[i]]).sum()) + 1
+        k = params[i].logprobs
+        top = ref[i].topk(k) if k else None
+        assert lp.top_token_ids == (top.indices.tolist() if k else [])
+        if k:
+            assert torch.allclose(torch.tensor(lp.top_logprobs), top.values, atol=1e-5)
+    assert lps[0].rank == 1
+
+
+def test_repetition_penalty_hf_semantics():
+    logits = torch.zeros(2, V)
+    logits[:, 1] = 4.0   # seen, positive: divided
+    logits[:, 2] = -2.0  # seen, negative: multiplied
+    logits[:, 9] = 3.0   # unseen
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0), SamplingParams(temperature=0.0)]
+    md = SamplingMetadata.from_requests(params, [None, None], [0, 0], EOS, [[1, 2, 1], [1, 2]])
+    out = logits.clone()
+    tokens, _ = Sampler()(out, md)
+    assert tokens == [9, 1]
+    assert out[0, 1] == 2.0 and out[0, 2] == -4.0 and out[0, 9] == 3.0
+    assert out[1, 1] == 4.0  # no penalty on the second row
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 0.0] + [-30.0] * (V - 2)]).expand(2000, V).contiguous()
+    cold = sample(logits, [SamplingParams(temperature=0.1)] * 2000)[0]
+    hot = sample(logits, [SamplingParams(temperature=1.0)] * 2000)[0]
+    assert cold.count(1) < 5 < hot.count(1)
+
+
+def test_top_k_per_row():
+    logits = random_logits(4, seed=5)
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in (0, 2, 1, V + 5)]
+    for seed in range(20):
+        tokens, _ = sample(logits, params, [gen(seed), gen(seed + 1), None, None])
+        assert tokens[1] in logits[1].topk(2).indices.tolist()
+        assert tokens[2] == int(logits[2].argmax())

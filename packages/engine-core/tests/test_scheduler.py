@@ -1,0 +1,228 @@
+from __future__ import annotations
+
+import random
+
+from loom.config import CacheConfig, SchedulerConfig
+from loom.engine.block_manager import BlockManager
+from loom.engine.request import Request, RequestStatus
+from loom.engine.scheduler import Scheduler
+from loom.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loom.sampling_params import SamplingParams
+
+BS = 4
+VOCAB = 1000
+
+
+def make_scheduler(
+    num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 16, max_model_len: int = 256,
+    chunked: bool = True, prefix_caching: bool = True,
+) -> Scheduler:
+    cache = CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    return Scheduler(sched, cache, max_model_len, BlockManager(num_blocks, BS, prefix_caching))
+
+
+_arrivals = iter(range(1 << 30))
+
+
+def make_request(req_id: str, prompt: list[int], eos: int | None = None, **params) -> Request:
+    params.setdefault("max_tokens", 8)
+    return Request(req_id, None, prompt, SamplingParams(**params), next(_arrivals), eos_token_id=eos)
+
+
+def fake_model(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+    """Next token from the whole context, so a wrong chunk or position changes the output."""
+    req_ids, tokens = [], []
+    for r in out.scheduled:
+        req = sched.requests[r.req_id]
+        end = r.num_computed_tokens + len(r.token_ids)
+        assert req.all_token_ids[r.num_computed_tokens:end] == r.token_ids
+        assert len(r.block_ids) * BS >= end
+        if r.sample:
+            assert end == req.num_tokens
+            req_ids.append(r.req_id)
+            tokens.append(sum((i + 1) * t for i, t in enumerate(req.all_token_ids)) % VOCAB)
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens)
+
+
+def run(sched: Scheduler, requests: list[Request], max_steps: int = 10_000) -> tuple[dict, list[SchedulerOutput]]:
+    for req in requests:
+        sched.add_request(req)
+    outputs = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        outputs.append(out)
+        sched.update_from_output(out, fake_model(sched, out))
+    assert not sched.has_unfinished_requests()
+    return {r.request_id: list(r.output_token_ids) for r in requests}, outputs
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_budget_and_max_num_seqs_respected():
+    sched = make_scheduler(budget=32, max_num_seqs=5)
+    reqs = [make_request(f"r{i}", p) for i, p in enumerate(random_prompts(20))]
+    results, outputs = run(sched, reqs)
+    assert all(len(v) == 8 for v in results.values())
+    for out in outputs:
+        assert out.total_num_scheduled_tokens <= 32
+        assert len(out.scheduled) <= 5
+    assert sched.block_manager.num_free_blocks == 64
+
+
+def test_chunked_prefill_of_long_prompt():
+    sched = make_scheduler(budget=16)
+    prompt = list(range(1, 51))
+    sched.add_request(make_request("long", prompt))
+    chunks = []
+    for _ in range(4):
+        out = sched.schedule()
+        (r,) = out.scheduled
+        chunks.append((r.num_computed_tokens, len(r.token_ids), r.sample))
+        sched.update_from_output(out, fake_model(sched, out))
+    assert chunks == [(0, 16, False), (16, 16, False), (32, 16, False), (48, 2, True)]
+    assert sched.requests["long"].num_output_tokens == 1
+
+
+def test_without_chunking_a_long_prompt_waits_for_room():
+    sched = make_scheduler(budget=20, chunked=False)
+    sched.add_request(make_request("a", list(range(1, 10)), max_tokens=2))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_model(sched, out))
+    sched.add_request(make_request("b", list(range(101, 121))))  # 20 tokens: no room beside a's decode
+    out = sched.schedule()
+    assert [r.req_id for r in out.scheduled] == ["a"]
+    sched.update_from_output(out, fake_model(sched, out))
+    out = sched.schedule()  # a finished last step: b goes whole
+    assert [(r.req_id, len(r.token_ids)) for r in out.scheduled] == [("b", 20)]
+
+
+def test_prefill_and_decode_in_one_step():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", [5, 6, 7]))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_model(sched, out))
+    sched.add_request(make_request("b", [8, 9, 10, 11, 12]))
+    out = sched.schedule()
+    assert [(r.req_id, len(r.token_ids), r.sample) for r in out.scheduled] == [("a", 1, True), ("b", 5, True)]
+    assert [n.req_id for n in out.new_requests] == ["b"]
+    assert out.scheduled[0].num_output_tokens == 1
+
+
+def test_preemption_recomputes_and_gives_same_outputs():
+    prompts = random_prompts(12, seed=1, lo=5, hi=20)
+    params = dict(max_tokens=24)
+    expected, _ = run(make_scheduler(num_blocks=256), [make_request(f"r{i}", p, **params) for i, p in enumerate(prompts)])
+    sched = make_scheduler(num_blocks=14)  # 56 tokens: a few requests at a time
+    got, outputs = run(sched, [make_request(f"r{i}", p, **params) for i, p in enumerate(prompts)])
+    assert got == expected
+    assert sched.num_preemptions > 0
+    # A preempted request is announced to the workers again when it comes back.
+    announced = [n.req_id for out in outputs for n in out.new_requests]
+    assert len(announced) == 12 + sched.num_preemptions
+    assert sched.block_manager.num_free_blocks == 14
+
+
+def test_preempts_the_most_recent_arrival():
+    sched = make_scheduler(num_blocks=4, max_model_len=16)
+    a, b = make_request("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=9), make_request("b", [9, 9, 9, 9, 9], max_tokens=9)
+    sched.add_request(a)
+    sched.add_request(b)
+    while b.status != RequestStatus.PREEMPTED:
+        out = sched.schedule()
+        sched.update_from_output(out, fake_model(sched, out))
+        assert a.status == RequestStatus.RUNNING
+    assert sched.waiting[0] is b and b.block_ids == [] and b.num_computed_tokens == 0
+
+
+def test_prefix_cache_hit_for_shared_prefix():
+    sched = make_scheduler()
+    shared = list(range(100, 120))  # 5 full blocks
+    sched.add_request(make_request("a", shared + [1, 2]))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_model(sched, out))
+    sched.add_request(make_request("b", shared + [3, 4, 5]))
+    out = sched.schedule()
+    rb = next(r for r in out.scheduled if r.req_id == "b")
+    assert rb.num_computed_tokens == 20 and rb.token_ids == [3, 4, 5]
+    assert sched.requests["b"].num_cached_tokens == 20
+    assert rb.block_ids[:5] == sched.requests["a"].block_ids[:5]
+
+
+def test_same_step_siblings_share_prompt_blocks():
+    sched = make_scheduler()
+    prompt = list(range(1, 18))
+    for i in range(3):
+        sched.add_request(make_request(f"p_{i}", prompt, seed=i, temperature=1.0))
+    out = sched.schedule()
+    assert [r.num_computed_tokens for r in out.scheduled] == [0, 16, 16]
+    assert sched.block_manager.num_free_blocks == 64 - (5 + 1 + 1)
+
+
+def test_abort_frees_blocks_and_tells_workers():
+    sched = make_scheduler(num_blocks=16)
+    sched.add_request(make_request("a", list(range(1, 30))))
+    sched.add_request(make_request("b", list(range(1, 10))))
+    out = sched.schedule()
+    sched.update_from_output(out, fake_model(sched, out))
+    sched.add_request(make_request("c", [1, 2]))
+    aborted = sched.abort_requests(["a", "c", "missing"])
+    assert [r.request_id for r in aborted] == ["a", "c"]
+    assert all(r.status == RequestStatus.FINISHED_ABORTED for r in aborted)
+    assert sched.block_manager.num_free_blocks == 16 - 3  # b's 3 blocks
+    out = sched.schedule()
+    assert out.finished_req_ids == ["a", "c"]
+    assert [r.req_id for r in out.scheduled] == ["b"]
+
+
+def test_stop_conditions():
+    sched = make_scheduler(max_model_len=12)
+    probe = make_request("probe", [1, 2, 3], max_tokens=8)
+    expected, _ = run(sched, [probe])
+    seq = expected["probe"]
+    eos = seq[2]
+    cases = {
+        "eos": (dict(), eos, seq[:3], "stop", None),
+        "ignore_eos": (dict(ignore_eos=True), eos, seq, "length", None),
+        # EOS at the second token does not count under min_tokens (the sampler masks it too).
+        "min_tokens": (dict(min_tokens=4), seq[1], seq if seq[1] not in seq[3:] else None, None, None),
+        "stop_id": (dict(stop_token_ids=[seq[4]]), None, seq[:5], "stop", seq[4]),
+        "max_tokens": (dict(max_tokens=2), None, seq[:2], "length", None),
+        "max_model_len": (dict(max_tokens=None), None, None, "length", None),
+    }
+    for name, (params, eos_id, want, reason, stop_reason) in cases.items():
+        params.setdefault("max_tokens", 8)
+        req = make_request(name, [1, 2, 3], eos=eos_id, **params)
+        got, outputs = run(sched, [req])
+        if want is not None:
+            assert got[name] == want, name
+        if reason is not None:
+            assert req.finish_reason == reason, name
+        assert req.stop_reason == stop_reason, name
+        assert outputs[-1].finished_req_ids == [] or name in outputs[-1].finished_req_ids
+    # max_model_len 12: a 3-token prompt gets 9 tokens at most.
+    long = make_request("long", [1, 2, 3], max_tokens=None)
+    got, _ = run(sched, [long])
+    assert len(got["long"]) == 9 and long.finish_reason == "length"
+
+
+def test_finished_ids_reach_the_next_output():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", [1, 2, 3], max_tokens=1))
+    out = sched.schedule()
+    updated = sched.update_from_output(out, fake_model(sched, out))
+    assert [r.request_id for r in updated] == ["a"] and updated[0].is_finished
+    assert sched.schedule().finished_req_ids == ["a"]
+    assert sched.schedule().finished_req_ids == []
+
+
+def test_cache_too_small_for_a_long_generation_ends_it_as_length():
+    sched = make_scheduler(num_blocks=3, max_model_len=100)  # 12 tokens of KV at most
+    req = make_request("a", [1, 2, 3, 4, 5], max_tokens=50)
+    got, _ = run(sched, [req])
+    assert len(got["a"]) == 7 and req.finish_reason == "length"

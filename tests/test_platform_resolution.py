@@ -1,0 +1,63 @@
+"""Platform resolution rules, each in a fresh interpreter with fake platform plugins."""
+
+from __future__ import annotations
+
+from fake_dist import run_python, write_fake_dist
+
+GROUP = "loom.platform_plugins"
+SOURCE = """
+def answers():
+    return "loom.platforms.cpu.CpuPlatform"
+def absent():
+    return None
+def raises():
+    raise OSError("driver missing")
+"""
+RESOLVE = "from loom.platforms import current_platform; print('PLATFORM', type(current_platform).__name__)"
+
+
+def test_two_out_of_tree_platforms_is_an_error(tmp_path):
+    write_fake_dist(tmp_path, "fake-two", {GROUP: {"oot_one": "fakeplat:answers", "oot_two": "fakeplat:answers"}},
+                    "fakeplat", SOURCE)
+    proc = run_python(RESOLVE, tmp_path, env={"LOOM_PLATFORM": ""})
+    assert proc.returncode != 0
+    assert "Only one platform plugin can be activated" in proc.stderr
+    assert "oot_one" in proc.stderr and "oot_two" in proc.stderr
+
+
+def test_raising_and_absent_detectors_are_reported(tmp_path):
+    write_fake_dist(tmp_path, "fake-bad", {GROUP: {"oot_raises": "fakeplat:raises", "oot_absent": "fakeplat:absent"}},
+                    "fakeplat", SOURCE)
+    proc = run_python(RESOLVE, tmp_path, env={"LOOM_PLUGINS": "oot_raises,oot_absent"})
+    assert proc.returncode == 0, proc.stderr
+    assert "PLATFORM CpuPlatform" in proc.stdout
+    assert "WARNING" in proc.stderr and "oot_raises failed during detection: OSError: driver missing" in proc.stderr
+    assert "Platform detector oot_absent: None" in proc.stderr
+
+
+def test_loom_platform_forces_a_detector(tmp_path):
+    write_fake_dist(tmp_path, "fake-one", {GROUP: {"oot_one": "fakeplat:answers"}}, "fakeplat", SOURCE)
+    proc = run_python(RESOLVE, tmp_path, env={"LOOM_PLATFORM": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert "Platform plugin oot_one is activated" not in proc.stderr
+    proc = run_python(RESOLVE, tmp_path, env={"LOOM_PLATFORM": "nosuch"})
+    assert proc.returncode != 0 and "LOOM_PLATFORM='nosuch' is not installed" in proc.stderr
+
+
+def test_loom_plugins_empty_loads_no_platform_plugin(tmp_path):
+    write_fake_dist(tmp_path, "fake-two", {GROUP: {"oot_one": "fakeplat:answers", "oot_two": "fakeplat:answers"}},
+                    "fakeplat", SOURCE)
+    proc = run_python(RESOLVE, tmp_path, env={"LOOM_PLUGINS": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "PLATFORM CpuPlatform" in proc.stdout
+
+
+def test_loom_plugins_command_shows_everything(tmp_path):
+    write_fake_dist(tmp_path, "fake-bad", {GROUP: {"oot_raises": "fakeplat:raises"}}, "fakeplat", SOURCE)
+    proc = run_python("from loom.entrypoints.cli.main import main; raise SystemExit(main(['plugins']))", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for text in ("LOOM_PLUGINS: unset", "[loom.platform_plugins]", "oot_raises = fakeplat:raises  [fake-bad 0.1]",
+                 "oot_raises (out-of-tree): raised: OSError: driver missing", "cpu (built-in): answered",
+                 "[loom.general_plugins]", "[loom.stat_logger_plugins]", "[loom.endpoint_plugins]", "platform: "):
+        assert text in out, text
