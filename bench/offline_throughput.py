@@ -50,10 +50,10 @@ def workload(num_prompts: int, input_len: int, vocab: int, seed: int) -> list[li
     return torch.randint(100, vocab - 100, (num_prompts, input_len), generator=g).tolist()
 
 
-def run_loom(model: str | None, prompts: list[list[int]], output_len: int) -> tuple[float, int]:
+def run_loom(model: str | None, prompts: list[list[int]], output_len: int, dtype: str) -> tuple[float, int]:
     from loom import LLM, SamplingParams
 
-    llm = LLM(model, dtype="float32", max_model_len=max(len(prompts[0]) + output_len, 512))
+    llm = LLM(model, dtype=dtype, max_model_len=max(len(prompts[0]) + output_len, 512))
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2))  # warm-up
     start = time.perf_counter()
@@ -62,14 +62,14 @@ def run_loom(model: str | None, prompts: list[list[int]], output_len: int) -> tu
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def load_hf(model: str | None, loom_model_path: str | None):
+def load_hf(model: str | None, loom_model_path: str | None, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     if model is not None:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
     # The default model: the same weights loom converted from the GGUF file (its cache).
     assert loom_model_path is not None
-    return AutoModelForCausalLM.from_pretrained(loom_model_path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(loom_model_path, dtype=dtype).eval()
 
 
 def run_hf(hf_model, prompts: list[list[int]], output_len: int, batch_size: int) -> tuple[float, int]:
@@ -99,21 +99,22 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; workload: {args.num_prompts} prompts x "
-          f"({args.input_len} in, {args.output_len} out), greedy, seed {args.seed}")
+          f"({args.input_len} in, {args.output_len} out), greedy, seed {args.seed}, {args.dtype}")
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for name in args.models:
             model = None if name == "default" else build_random_opt(name, root)
             vocab = 49152 if name == "default" else 50272
             prompts = workload(args.num_prompts, args.input_len, vocab, args.seed)
-            elapsed, tokens = run_loom(model, prompts, args.output_len)
+            elapsed, tokens = run_loom(model, prompts, args.output_len, args.dtype)
             loom_tps = tokens / elapsed
             hf_tps = None
             if not args.skip_hf:
-                hf_model = load_hf(model, gguf_cache_dir() if model is None else None)
+                hf_model = load_hf(model, gguf_cache_dir() if model is None else None, getattr(torch, args.dtype))
                 run_hf(hf_model, prompts[:2], 2, 2)  # warm-up
                 hf_elapsed, hf_tokens = run_hf(hf_model, prompts, args.output_len, args.hf_batch_size)
                 hf_tps = hf_tokens / hf_elapsed

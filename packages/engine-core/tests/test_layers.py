@@ -283,3 +283,19 @@ def test_single_rank_embedding_and_logits_processor():
     logits = LogitsProcessor(vocab)(emb, hidden)
     assert logits.shape == (2, vocab)
     torch.testing.assert_close(logits, hidden @ table.T)
+
+
+@pytest.mark.parametrize("vocab", [1000, 4097, 50257])
+def test_fused_greedy_equals_argmax_of_logits(vocab):
+    from loom.layers.logits_processor import LogitsProcessor
+    from loom.layers.vocab_parallel_embedding import ParallelLMHead
+
+    torch.manual_seed(0)
+    head = ParallelLMHead(vocab, 24)
+    head.weight.data.normal_()
+    processor = LogitsProcessor(vocab)
+    hidden = torch.randn(7, 24)
+    hidden[3] = 0  # all-equal logits: ties resolve to the lowest id, as argmax does
+    expected = processor(head, hidden).argmax(-1)
+    torch.testing.assert_close(processor.greedy_token_ids(head, hidden, chunk=1000), expected)
+    assert processor.greedy_token_ids(head, hidden)[3].item() == 0

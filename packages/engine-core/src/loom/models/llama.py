@@ -166,6 +166,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)  # (N, vocab)
 
+    def compute_greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``compute_logits(h).argmax(-1)`` without the (N, vocab) logits; (N,) int64."""
+        return self.logits_processor.greedy_token_ids(self.lm_head, hidden_states)
+
     def _skip_weight(self, name: str) -> bool:
         if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
             return True

@@ -157,6 +157,10 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)  # (N, vocab)
 
+    def compute_greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``compute_logits(h).argmax(-1)`` without the (N, vocab) logits; (N,) int64."""
+        return self.logits_processor.greedy_token_ids(self.lm_head, hidden_states)
+
     @staticmethod
     def _rename(name: str) -> str:
         # facebook/opt-* checkpoints name the decoder at the top level.

@@ -36,6 +36,8 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         self.eos_token_id: int | None = None  # the engine's, sent with each new request
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        # Models may offer argmax without materializing the logits (the common greedy case).
+        self._fused_greedy = getattr(model, "compute_greedy_token_ids", None)
 
     # ---- KV cache ---------------------------------------------------------------------
     def kv_cache_block_bytes(self) -> int:
@@ -82,7 +84,7 @@ class ModelRunner:
             hidden_states = self.model(inputs.input_ids, inputs.positions)
         if not inputs.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices]).float()
+        hidden = hidden_states[inputs.logits_indices]
         by_id = {r.req_id: r for r in scheduler_output.scheduled}
         states = [self.requests[i] for i in inputs.sample_req_ids]
         metadata = SamplingMetadata.from_requests(
@@ -93,7 +95,10 @@ class ModelRunner:
             [s.seen_token_ids or [] for s in states] if any(s.seen_token_ids is not None for s in states)
             else None,
         )
-        token_ids, logprobs = self.sampler(logits, metadata)
+        if metadata.all_greedy and metadata.no_processing and self._fused_greedy is not None:
+            token_ids, logprobs = self._fused_greedy(hidden).tolist(), None
+        else:
+            token_ids, logprobs = self.sampler(self.model.compute_logits(hidden).float(), metadata)
         for state, token_id in zip(states, token_ids):
             if state.seen_token_ids is not None:
                 state.seen_token_ids.append(token_id)
