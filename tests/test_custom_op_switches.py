@@ -6,10 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from loom_plugin_api import set_current_config
-
 from loom.layers.layernorm import LayerNorm, RMSNorm
 from loom.layers.rotary_embedding import get_rope
+from loom_plugin_api import set_current_config
 
 
 def _config(custom_ops):
