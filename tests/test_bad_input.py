@@ -63,9 +63,13 @@ def test_prompt_over_max_model_len_and_bad_sampling(tiny_llama):
         llm.generate({"prompt_token_ids": list(range(40))})
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [10**9]})
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": -5}, {"max_tokens": 0}, {"n": 0},
-                {"logprobs": 100}, {"min_tokens": 5, "max_tokens": 2}):
-        with pytest.raises(ValueError):
+    for bad, message in (({"temperature": -1}, "temperature must be >= 0"), ({"top_p": 0}, "top_p must be in"),
+                         ({"top_k": -5}, "top_k must be"), ({"max_tokens": 0}, "max_tokens must be >= 1"),
+                         ({"n": 0}, "n must be >= 1"), ({"logprobs": 100}, "logprobs must be in"),
+                         ({"min_tokens": 5, "max_tokens": 2}, "must not exceed"),
+                         ({"temperature": "0.5"}, "temperature must be a number"), ({"n": True}, "n must be an integer"),
+                         ({"seed": 2**64}, "seed must be in"), ({"stop_token_ids": [True]}, "stop_token_ids")):
+        with pytest.raises(ValueError, match=message):
             SamplingParams(**bad)
     # the engine keeps working after rejected requests
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, temperature=0))
@@ -73,7 +77,7 @@ def test_prompt_over_max_model_len_and_bad_sampling(tiny_llama):
 
 
 def test_max_model_len_over_model_limit(tiny_llama):
-    with pytest.raises(ValueError, match="exceeds the model's context length 512"):
+    with pytest.raises(ValueError, match="exceeds the model's context length 512; lower --max-model-len"):
         LLM(str(tiny_llama), max_model_len=100000)
 
 
@@ -96,3 +100,18 @@ def test_python_m_entrypoint_exists():
     proc = subprocess.run([sys.executable, "-m", "loom.entrypoints.cli.main", "--help"], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and "generate" in proc.stdout and "plugins" in proc.stdout
+
+
+def test_failed_step_leaves_llm_usable(tiny_llama, monkeypatch):
+    from loom.engine.llm_engine import EngineStepError
+
+    llm = LLM(str(tiny_llama), max_model_len=64)
+    runner = llm.llm_engine.executor.worker.model_runner
+    original = runner.execute_model
+    monkeypatch.setattr(runner, "execute_model", lambda so: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(EngineStepError, match="boom"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [1, 2, 4]}], SamplingParams(max_tokens=2))
+    monkeypatch.setattr(runner, "execute_model", original)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 3

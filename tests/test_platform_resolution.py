@@ -8,6 +8,8 @@ GROUP = "loom.platform_plugins"
 SOURCE = """
 def answers():
     return "loom.platforms.cpu.CpuPlatform"
+def not_a_platform():
+    return "collections.OrderedDict"
 def absent():
     return None
 def raises():
@@ -39,6 +41,7 @@ def test_loom_platform_forces_a_detector(tmp_path):
     write_fake_dist(tmp_path, "fake-one", {GROUP: {"oot_one": "fakeplat:answers"}}, "fakeplat", SOURCE)
     proc = run_python(RESOLVE, tmp_path, env={"LOOM_PLATFORM": "cpu"})
     assert proc.returncode == 0, proc.stderr
+    assert "PLATFORM CpuPlatform" in proc.stdout
     assert "Platform plugin oot_one is activated" not in proc.stderr
     proc = run_python(RESOLVE, tmp_path, env={"LOOM_PLATFORM": "nosuch"})
     assert proc.returncode != 0 and "LOOM_PLATFORM='nosuch' is not installed" in proc.stderr
@@ -61,3 +64,24 @@ def test_loom_plugins_command_shows_everything(tmp_path):
                  "oot_raises (out-of-tree): raised: OSError: driver missing", "cpu (built-in): answered",
                  "[loom.general_plugins]", "[loom.stat_logger_plugins]", "[loom.endpoint_plugins]", "platform: "):
         assert text in out, text
+
+
+def test_collect_env_prints_versions_and_platform(expected_platform):
+    proc = run_python("from loom.entrypoints.cli.main import main; raise SystemExit(main(['collect-env']))")
+    assert proc.returncode == 0, proc.stderr
+    for text in ("Python: 3.", "loom-engine: 0.1.0", "loom-plugin-api: 1.0.0", "torch: 2.13.0", "Platform: ",
+                 "detector cpu: answered loom.platforms.cpu.CpuPlatform"):
+        assert text in proc.stdout, text
+    platform = "DummyPlatform" if expected_platform == "dummy" else "CpuPlatform"
+    assert f"Platform: {platform}" in proc.stdout
+
+
+def test_detector_naming_a_non_platform_class(tmp_path):
+    write_fake_dist(tmp_path, "fake-odd", {GROUP: {"oot_odd": "fakeplat:not_a_platform"}}, "fakeplat", SOURCE)
+    proc = run_python("from loom.entrypoints.cli.main import main; raise SystemExit(main(['generate', 'hi']))",
+                      tmp_path, env={"LOOM_PLUGINS": "oot_odd"})
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("loom: error: platform plugin oot_odd named 'collections.OrderedDict'")
+    assert "not a loom_plugin_api.Platform subclass" in last
+    assert proc.stderr.count("Platform detector oot_odd:") == 1  # resolution ran once

@@ -28,8 +28,14 @@ def tour(tiny_opt, tiny_llama):
 def test_import_resolves_nothing(tour):
     assert tour["platform_resolved_at_import"] is False
     assert tour["general_loaded_at_import"] is False
-    # the platform is fixed before any general plugin runs
-    assert tour["general_loaded_after_platform"] is False
+
+
+def test_platform_is_fixed_before_general_plugins_run(tour, expected_platform):
+    log = tour["log"]
+    resolved = log.index("Resolved platform")
+    assert "Platform detector cpu" in log[:resolved]
+    if expected_platform == "dummy":  # the dummy wheel brings a general plugin
+        assert resolved < log.index("General plugin dummy_custom_ops ran")
 
 
 def test_detectors_and_winner(tour, expected_platform):
@@ -67,13 +73,16 @@ def test_pre_register_and_update_with_and_without_parser(tour):
 
 
 def test_custom_ops_before_and_after_check(tour, expected_platform):
-    first = tour["calls"]["check_and_update"][0]
-    assert first["before"] == ["all"]
-    assert first["after"] == ["all"]
+    first = tour["calls"]["check_and_update"][0]  # the config parsed with --custom-ops none
+    assert first["before"] == ["none"]
     if expected_platform == "dummy":
+        assert first["after"] == ["all"]  # the platform's last word turns its ops on
         assert first["worker_cls"] == "loom_platform_dummy.worker.DummyWorker"
     else:
+        assert first["after"] == ["none"]
         assert first["worker_cls"] == "loom.worker.cpu_worker.CPUWorker"
+    later = tour["calls"]["check_and_update"][1]  # LLM() with no custom_ops: the base entry is "all"
+    assert later["before"] == ["all"]
 
 
 def test_registry_eager_and_lazy(tour, has_model_plugin):

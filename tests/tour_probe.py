@@ -22,23 +22,35 @@ def main(opt_dir: str, llama_dir: str) -> dict:
     data["platform_resolved_at_import"] = platforms._current_platform is not None
     data["general_loaded_at_import"] = loader.general_plugins_loaded()
 
-    # Stop 3: first use resolves the platform.
+    # pre_register_and_update is inherited from the base class by the platforms here; wrap it
+    # before anything resolves, so that stop 3 happens inside the parser build (stop 4).
+    from loom_plugin_api import Platform
+
+    calls: dict[str, list] = {"pre_register": [], "check_and_update": [], "attn_backend": []}
+    orig_pre = Platform.pre_register_and_update.__func__
+
+    def pre_register(cls, parser=None):
+        calls["pre_register"].append("parser" if parser is not None else "none")
+        return orig_pre(cls, parser)
+
+    Platform.pre_register_and_update = classmethod(pre_register)
+
+    # Stops 4-5: building the engine parser runs the general plugins, then the hook.
+    from loom.engine.arg_utils import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    EngineArgs.add_cli_args(parser)
+
+    # Stop 3 happened inside: the platform was resolved before the general plugins ran.
     platform = platforms.current_platform
     platform_cls = type(platform)
     data["platform"] = f"{platform_cls.__module__}.{platform_cls.__qualname__}"
     data["is_out_of_tree"] = platform.is_out_of_tree()
     data["verdicts"] = {v.name: {"answer": v.answer, "won": v.won, "raised": v.raised}
                         for v in platforms.detector_verdicts()}
-    data["general_loaded_after_platform"] = loader.general_plugins_loaded()
-
-    calls: dict[str, list] = {"pre_register": [], "check_and_update": [], "attn_backend": []}
-    orig_pre = platform_cls.pre_register_and_update.__func__
     orig_check = platform_cls.check_and_update_config.__func__
     orig_attn = platform_cls.get_attn_backend_cls.__func__
-
-    def pre_register(cls, parser=None):
-        calls["pre_register"].append("parser" if parser is not None else "none")
-        return orig_pre(cls, parser)
 
     def check_and_update(cls, config):
         before = list(config.compilation_config.custom_ops)
@@ -52,16 +64,8 @@ def main(opt_dir: str, llama_dir: str) -> dict:
         calls["attn_backend"].append(1)
         return orig_attn(cls, *args, **kwargs)
 
-    platform_cls.pre_register_and_update = classmethod(pre_register)
     platform_cls.check_and_update_config = classmethod(check_and_update)
     platform_cls.get_attn_backend_cls = classmethod(attn_backend)
-
-    # Stops 4-5: building the engine parser runs the general plugins, then the hook.
-    from loom.engine.arg_utils import EngineArgs
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model")
-    EngineArgs.add_cli_args(parser)
     EngineArgs.add_cli_args(argparse.ArgumentParser())  # a second parser: plugins do not run again
     data["general_plugins"] = {r.name: {"status": r.status, "calls": len(r.calls)}
                                for r in loader.plugin_records("loom.general_plugins")}
@@ -80,7 +84,8 @@ def main(opt_dir: str, llama_dir: str) -> dict:
     # Stops 5-7: config creation.
     use_plugin_models = "MyOPTForCausalLM" in registry.models
     opt_arch = "MyOPTForCausalLM" if use_plugin_models else "OPTForCausalLM"
-    args = parser.parse_args(["--model", opt_dir, "--hf-overrides", json.dumps({"architectures": [opt_arch]})])
+    args = parser.parse_args(["--model", opt_dir, "--hf-overrides", json.dumps({"architectures": [opt_arch]}),
+                              "--custom-ops", "none"])
     config = EngineArgs.from_cli_args(args).create_engine_config()
     data["opt_architecture"] = config.model_config.architecture
     data["device_type"] = config.device_config.device_type

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from loom.config import CacheConfig, SchedulerConfig
-from loom.engine.llm_engine import LLMEngine
+from loom.engine.llm_engine import EngineStepError, LLMEngine
 from loom.engine.scheduler_output import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
@@ -258,3 +258,45 @@ def test_validation_errors():
     assert len(outs[0].outputs[0].token_ids) == 1 and outs[0].outputs[0].finish_reason == "length"
     engine.shutdown()
     assert engine.executor.shut_down
+
+
+def test_stop_strings_wait_for_min_tokens():
+    tok = gpt2_tokenizer()
+    prompt = tok.encode("The answer is")
+    (free,) = generate(make_engine(tokenizer=tok), [prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    first_piece = tok.decode(free.outputs[0].token_ids[:1])
+    assert first_piece.strip()
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop=[first_piece.strip()], min_tokens=6)
+    (out,) = generate(make_engine(tokenizer=tok), [prompt], params)
+    assert len(out.outputs[0].token_ids) >= 6  # the first token's text matched, but too early to stop
+
+
+class FailingExecutor(FakeExecutor):
+    def __init__(self, num_blocks: int, fail_at_step: int) -> None:
+        super().__init__(num_blocks)
+        self.fail_at_step = fail_at_step
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.steps + 1 == self.fail_at_step:
+            self.steps += 1
+            raise RuntimeError("device lost")
+        return super().execute_model(out)
+
+
+def test_failed_step_aborts_its_requests_and_the_engine_goes_on():
+    prompts = random_prompts(3, seed=5, lo=9, hi=12, shared=8)  # a shared, cacheable prefix
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    (reference,) = generate(make_engine(), [prompts[2]], params)
+    engine = make_engine()
+    engine.executor = FailingExecutor(engine.executor.num_blocks, fail_at_step=1)
+    engine.scheduler.block_manager.num_blocks = engine.executor.num_blocks
+    for i, p in enumerate(prompts[:2]):
+        engine.add_request(str(i), None, p, params)
+    with pytest.raises(EngineStepError, match=r"device lost.*\['0', '1'\]"):
+        engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.usage == 0
+    # The prefix the failed step was to fill must not be served from the cache now.
+    assert engine.scheduler.block_manager.cached == {}
+    outs = generate(engine, [prompts[2]], params)
+    assert token_ids(outs) == token_ids([reference])

@@ -86,3 +86,6 @@ def test_raising_general_plugin_names_itself(fake_site, monkeypatch):
     monkeypatch.setenv("LOOM_PLUGINS", "p_boom")
     with pytest.raises(PluginError, match=r"'p_boom'.*fake-a.*RuntimeError: kaput.*LOOM_PLUGINS"):
         load_general_plugins()
+    # later callers in the same process get the same error, not a half-set-up process
+    with pytest.raises(PluginError, match="p_boom"):
+        load_general_plugins()

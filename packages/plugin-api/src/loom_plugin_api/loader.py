@@ -55,6 +55,7 @@ class PluginRecord:
 _records: dict[tuple[str, str], PluginRecord] = {}
 _loaded_groups: dict[str, dict[str, Callable[..., Any]]] = {}
 _general_plugins_loaded = False
+_general_plugins_error: PluginError | None = None
 _unknown_names_warned = False
 
 
@@ -116,6 +117,7 @@ def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
     if not eps:
         logger.debug("No plugins for group %s found.", group)
     plugins: dict[str, Callable[..., Any]] = {}
+    group_start = time.perf_counter()
     for ep in eps:
         dist, version = _distribution(ep)
         record = PluginRecord(
@@ -148,7 +150,10 @@ def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
         record.status = "loaded"
         plugins[ep.name] = obj
     if plugins:
-        logger.info("Loaded plugins of group %s: %s", group, ", ".join(plugins))
+        logger.info(
+            "Loaded plugins of group %s in %.3f s: %s", group, time.perf_counter() - group_start,
+            ", ".join(f"{name} ({_records[(group, name)].load_seconds:.3f} s)" for name in plugins),
+        )
     _loaded_groups[group] = plugins
     return plugins
 
@@ -171,10 +176,22 @@ def load_general_plugins() -> None:
     import or raises when called stops start-up with a :class:`PluginError` that names
     it: a serve must not run with half of its registrations made.
     """
-    global _general_plugins_loaded
+    global _general_plugins_loaded, _general_plugins_error
+    if _general_plugins_error is not None:
+        # A failed run is not retried (plugins may have registered half of their things),
+        # and every later caller gets the same error instead of a half-set-up process.
+        raise _general_plugins_error
     if _general_plugins_loaded:
         return
     _general_plugins_loaded = True
+    try:
+        _run_general_plugins()
+    except PluginError as e:
+        _general_plugins_error = e
+        raise
+
+
+def _run_general_plugins() -> None:
     plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
     failed = [r for r in plugin_records(GENERAL_PLUGINS_GROUP) if r.status == "failed"]
     if failed:
@@ -202,9 +219,10 @@ def load_general_plugins() -> None:
 
 def _reset_for_tests() -> None:
     """Forget everything loaded in this process (tests only)."""
-    global _general_plugins_loaded, _unknown_names_warned
+    global _general_plugins_loaded, _general_plugins_error, _unknown_names_warned
     _records.clear()
     _loaded_groups.clear()
     _general_plugins_loaded = False
+    _general_plugins_error = None
     _unknown_names_warned = False
     _scan.cache_clear()

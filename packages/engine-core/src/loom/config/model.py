@@ -68,7 +68,8 @@ class ModelConfig:
             self.max_model_len = derived
         elif self.max_model_len > derived:
             raise ValueError(
-                f"--max-model-len {self.max_model_len} exceeds the model's context length {derived}"
+                f"--max-model-len {self.max_model_len} exceeds the model's context length {derived}; "
+                f"lower --max-model-len to at most {derived}"
             )
         elif self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")

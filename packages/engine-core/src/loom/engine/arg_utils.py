@@ -67,6 +67,11 @@ class EngineArgs:
         The general plugins run first (once per process) so a plugin can extend what the
         flags accept; then the platform sees the parser (``pre_register_and_update``).
         """
+        from ..model_loader import load_format_choices
+
+        # Importing current_platform resolves it: the platform is fixed before any general plugin runs.
+        from ..platforms import current_platform
+
         load_general_plugins()
         g = parser.add_argument_group("engine")
         g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
@@ -85,10 +90,9 @@ class EngineArgs:
         g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
         g.add_argument("--custom-ops", type=_custom_ops, default=[],
                        help="comma-separated: all, none, +name, -name")
-        g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+        g.add_argument("--load-format", default="auto", choices=load_format_choices(),
+                       help="how to load weights; general plugins may add formats")
         g.add_argument("--worker-cls", default="auto", help="qualified name of the worker class")
-        from ..platforms import current_platform
-
         current_platform.pre_register_and_update(parser)
         return parser
 
@@ -99,7 +103,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> LoomConfig:
         """Build the ``LoomConfig`` (start-up stops 5-7), in the process that parsed the args."""
-        from ..platforms import current_platform
+        from ..platforms import current_platform  # resolved before the general plugins run
 
         load_general_plugins()
         current_platform.pre_register_and_update()

@@ -152,8 +152,12 @@ class BlockManager:
             self._cache_full_blocks(request, total)
         return True
 
-    def free(self, request: Request) -> None:
-        """Drop the request's references; its cached blocks stay reusable until evicted."""
+    def free(self, request: Request, invalidate: bool = False) -> None:
+        """Drop the request's references; its cached blocks stay reusable until evicted.
+
+        ``invalidate``: the step that was to fill these blocks failed, so blocks no other
+        request holds leave the prefix cache (their contents were never written).
+        """
         ref_cnt = self.ref_cnt
         free_queue = self.free_queue
         # Reversed, so a request's last blocks are evicted before its first ones: prefixes
@@ -162,6 +166,12 @@ class BlockManager:
             ref_cnt[block_id] -= 1
             if ref_cnt[block_id] == 0:
                 free_queue[block_id] = None
+                h = self.block_hash[block_id]
+                if invalidate and h is not None:
+                    if self.cached.get(h) == block_id:
+                        del self.cached[h]
+                    self.block_hash[block_id] = None
+                    self.block_tokens[block_id] = None
                 if self.block_hash[block_id] is None:
                     # Nothing to keep in it: reuse it before any cached block.
                     free_queue.move_to_end(block_id, last=False)

@@ -102,11 +102,12 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._tokens)
             self._prefix_offset = max(self._read_offset - 5, 0)
 
-    def update(self, token_id: int, stop_terminated: bool = False) -> str | None:
+    def update(self, token_id: int, stop_terminated: bool = False, check_stop: bool = True) -> str | None:
         """Decode one more token; returns the stop string it completed, if any.
 
         ``stop_terminated``: this token is EOS or a stop token id that ended the request;
         its text is not part of the output unless ``include_stop_str_in_output``.
+        ``check_stop``: False while the request is under ``min_tokens`` (no stop applies yet).
         """
         if stop_terminated and not self.include_stop_str:
             return None
@@ -115,7 +116,7 @@ class IncrementalDetokenizer:
             return None
         offset = len(self.output_text)
         self.output_text += new_text
-        return self._check_stop(offset) if self.stop else None
+        return self._check_stop(offset) if self.stop and check_stop else None
 
     def _check_stop(self, offset: int) -> str | None:
         """Find a stop string that ends in the text added after ``offset``; truncate there."""

@@ -33,6 +33,10 @@ from .scheduler_output import ModelRunnerOutput, SchedulerOutput
 logger = init_logger(__name__)
 
 
+class EngineStepError(RuntimeError):
+    """A model step raised; the requests of that step were aborted, the engine goes on."""
+
+
 class Executor(Protocol):
     num_blocks: int
 
@@ -180,7 +184,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs without one")
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+    def abort_request(self, request_ids: str | Iterable[str], invalidate_cache: bool = False) -> None:
         """Stop requests (by the ids given to add_request); no output is produced for them."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
@@ -189,7 +193,7 @@ class LLMEngine:
             if group is None:
                 continue
             child_ids = [c.request_id for c in group.children]
-            self.scheduler.abort_requests(child_ids)
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED, invalidate_cache)
             for child_id in child_ids:
                 self._children.pop(child_id, None)
 
@@ -204,7 +208,17 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return []
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as e:
+            # The step's requests cannot go on (their KV is incomplete); end them so the
+            # engine keeps serving everyone else, and say which ones were lost.
+            failed = {self._children[r.req_id].group.request_id for r in scheduler_output.scheduled
+                      if r.req_id in self._children}
+            self.abort_request(failed, invalidate_cache=True)
+            raise EngineStepError(
+                f"model step failed ({type(e).__name__}: {e}); aborted requests {sorted(failed)}"
+            ) from e
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generation_tokens += len(updated)
         touched: dict[str, list[Request]] = {}
@@ -224,7 +238,8 @@ class LLMEngine:
 
     def _detokenize(self, req: Request, detokenizer: IncrementalDetokenizer) -> None:
         stop_terminated = req.status == RequestStatus.FINISHED_STOPPED
-        stop = detokenizer.update(req.output_token_ids[-1], stop_terminated)
+        check_stop = req.num_output_tokens >= req.sampling_params.min_tokens
+        stop = detokenizer.update(req.output_token_ids[-1], stop_terminated, check_stop)
         if stop is None:
             return
         if req.is_finished:  # by length in the same token: the stop string is the better reason

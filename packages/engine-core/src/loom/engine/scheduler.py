@@ -62,8 +62,14 @@ class Scheduler:
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """End requests from outside the step (abort, or a stop string the engine found)."""
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, invalidate_cache: bool = False
+    ) -> list[Request]:
+        """End requests from outside the step (abort, or a stop string the engine found).
+
+        ``invalidate_cache``: the step that scheduled them failed; blocks it was to fill
+        must not serve later prefix-cache hits.
+        """
         finished = []
         for req_id in request_ids:
             req = self.requests.get(req_id)
@@ -74,12 +80,12 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             req.status = status
-            self._free(req)
+            self._free(req, invalidate_cache)
             finished.append(req)
         return finished
 
-    def _free(self, request: Request) -> None:
-        self.block_manager.free(request)
+    def _free(self, request: Request, invalidate_cache: bool = False) -> None:
+        self.block_manager.free(request, invalidate_cache)
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
 

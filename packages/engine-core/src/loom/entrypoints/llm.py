@@ -96,14 +96,19 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finished])  # leave the engine clean
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [finished[i] for i in ids]
 
     def chat(

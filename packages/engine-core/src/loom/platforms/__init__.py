@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from loom_plugin_api import PLATFORM_PLUGINS_GROUP, PlatformError, load_plugins_by_group
+from loom_plugin_api import PLATFORM_PLUGINS_GROUP, Platform, PlatformError, load_plugins_by_group
 from loom_plugin_api import context as _plugin_context
 from loom_plugin_api._qualname import resolve_obj_by_qualname
 from loom_plugin_api.loader import plugin_records
@@ -29,8 +29,6 @@ from .. import envs
 from ..logger import init_logger
 
 if TYPE_CHECKING:
-    from loom_plugin_api import Platform
-
     current_platform: Platform
 
 logger = init_logger(__name__)
@@ -84,6 +82,7 @@ class DetectorVerdict:
 
 
 _current_platform: Platform | None = None
+_resolution_error: PlatformError | None = None
 _verdicts: list[DetectorVerdict] = []
 
 
@@ -143,7 +142,12 @@ def resolve_current_platform() -> Platform:
         )
     elif len(oot) == 1:
         winner = oot[0]
-        qualname = oot_plugins[winner.name]()  # asked again for the class name, as the tour does
+        try:
+            qualname = oot_plugins[winner.name]()  # asked again for the class name, as the tour does
+        except Exception as e:
+            raise PlatformError(
+                f"platform plugin {winner.name} raised when asked again for its class: {type(e).__name__}: {e}"
+            ) from e
         logger.info("Platform plugin %s is activated", winner.name)
     elif answered:
         winner = answered[0]
@@ -153,7 +157,15 @@ def resolve_current_platform() -> Platform:
     winner.won = True
     if not isinstance(qualname, str):
         raise PlatformError(f"platform plugin {winner.name} returned {qualname!r} when asked again")
-    platform_cls = resolve_obj_by_qualname(qualname)
+    try:
+        platform_cls = resolve_obj_by_qualname(qualname)
+    except (ImportError, ValueError) as e:
+        raise PlatformError(f"platform plugin {winner.name} named {qualname!r}, which does not import: {e}") from e
+    if not (isinstance(platform_cls, type) and issubclass(platform_cls, Platform)):
+        raise PlatformError(
+            f"platform plugin {winner.name} named {qualname!r}, which is not a loom_plugin_api.Platform "
+            "subclass; fix the plugin or uninstall it"
+        )
     platform = platform_cls()
     logger.info(
         "Resolved platform %s (%s) from detector %s in %.3f s",
@@ -168,15 +180,25 @@ def detector_verdicts() -> list[DetectorVerdict]:
 
 
 def _get_current_platform() -> Platform:
-    global _current_platform
+    global _current_platform, _resolution_error
+    if _resolution_error is not None:
+        raise _resolution_error  # detectors run once per process, even when resolution failed
     if _current_platform is None:
-        _current_platform = resolve_current_platform()
+        try:
+            _current_platform = resolve_current_platform()
+        except PlatformError as e:
+            _resolution_error = e
+            raise
+        except Exception as e:  # never let an AttributeError escape the module __getattr__
+            _resolution_error = PlatformError(f"platform resolution failed: {type(e).__name__}: {e}")
+            raise _resolution_error from e
     return _current_platform
 
 
 def _reset_for_tests() -> None:
-    global _current_platform
+    global _current_platform, _resolution_error
     _current_platform = None
+    _resolution_error = None
     _verdicts.clear()
 
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError, ImportError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as e:
         # User-facing errors are one line; LOOM_LOGGING_LEVEL=DEBUG shows the traceback.
         logger.debug("loom failed", exc_info=True)
         print(f"loom: error: {e}", file=sys.stderr)
