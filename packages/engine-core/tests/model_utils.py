@@ -129,6 +129,9 @@ def tp_prefill_worker(rank: int, world_size: int, init_file: str, model_dirs: li
             results[model_dir] = run_prefill(model, prompts)
         if rank == 0:
             torch.save(results, out_path)
+        # Tear gloo down only when both ranks are done: a rank that leaves early while
+        # the other still holds the pair can abort in gloo's threads.
+        dist.barrier()
     finally:
         destroy_model_parallel()
         dist.destroy_process_group()

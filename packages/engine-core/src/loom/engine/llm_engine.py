@@ -36,6 +36,10 @@ logger = init_logger(__name__)
 class EngineStepError(RuntimeError):
     """A model step raised; the requests of that step were aborted, the engine goes on."""
 
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
 
 class Executor(Protocol):
     num_blocks: int
@@ -217,7 +221,7 @@ class LLMEngine:
                       if r.req_id in self._children}
             self.abort_request(failed, invalidate_cache=True)
             raise EngineStepError(
-                f"model step failed ({type(e).__name__}: {e}); aborted requests {sorted(failed)}"
+                f"model step failed ({type(e).__name__}: {e}); aborted requests {sorted(failed)}", sorted(failed)
             ) from e
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generation_tokens += len(updated)

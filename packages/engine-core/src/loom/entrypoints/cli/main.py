@@ -12,6 +12,7 @@ logger = init_logger(__name__)
 
 # name -> (module, one-line help). Modules define add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("loom.entrypoints.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("loom.entrypoints.cli.generate", "generate text with a model, offline"),
     "plugins": ("loom.entrypoints.cli.plugins", "show every plugin group, entry point and platform verdict"),
     "collect-env": ("loom.entrypoints.cli.collect_env", "print versions, the platform and plugins"),

@@ -1,0 +1,22 @@
+"""``loom serve``: build the config and the launch plan here, then supervise the processes."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..plan import add_serve_args
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    return add_serve_args(subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..plan import plan_from_args
+
+    plan = plan_from_args(args)  # config errors end here, before anything is spawned
+    try:
+        import loom_supervisor
+    except ImportError:
+        raise ImportError("loom serve needs the supervisor: pip install ./supervisor-rs (loom-supervisor)") from None
+    return int(loom_supervisor.run(plan))

@@ -1,0 +1,201 @@
+"""The FastAPI app of the OpenAI-compatible server, built on any :class:`EngineClient`.
+
+``build_app`` adds the OpenAI routes, ``/health``, ``/version`` and ``/metrics``, the API-key
+check on ``/v1/*``, OpenAI-shaped error bodies for every failure, and finally the routes of
+the ``loom.endpoint_plugins`` group (each a ``(app) -> None``), once per app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from loom_plugin_api import ENDPOINT_PLUGINS_GROUP, PluginError, load_plugins_by_group, plugin_records
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ... import __version__
+from ...engine.async_llm import EngineClient
+from ...logger import init_logger
+from ...metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .serving_chat import OpenAIServingChat
+from .serving_completion import OpenAIServingCompletion
+from .serving_engine import APIError
+
+logger = init_logger(__name__)
+
+__all__ = ["apply_endpoint_plugins", "build_app"]
+
+
+def build_app(
+    engine_client: EngineClient,
+    served_model_name: str | Sequence[str],
+    api_key: str | None = None,
+    *,
+    chat_template: str | None = None,
+    endpoint_plugins: Mapping[str, Callable[[FastAPI], None]] | None = None,
+) -> FastAPI:
+    """The server's app. ``endpoint_plugins=None`` loads the ``loom.endpoint_plugins`` group."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names:
+        raise ValueError("served_model_name is empty; give at least one name")
+    metrics = ServerMetrics(names[0])
+    completion = OpenAIServingCompletion(engine_client, names, metrics)
+    chat = OpenAIServingChat(engine_client, names, metrics, chat_template)
+    app = FastAPI(title="loom", version=__version__)
+    app.state.engine_client = engine_client
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
+        return _respond(await _unless_disconnected(raw_request, completion.create_completion(request)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
+        return _respond(await _unless_disconnected(raw_request, chat.create_chat_completion(request)))
+
+    @app.get("/v1/models")
+    async def show_models() -> ModelList:
+        config = engine_client.config.model_config
+        return ModelList(data=[ModelCard(id=name, root=config.model_path, max_model_len=config.max_model_len)
+                               for name in names])
+
+    @app.get("/health")
+    async def health() -> Response:
+        dead = engine_client.dead_error
+        if dead is not None:
+            return APIError(dead, status=503, type="engine_dead_error").response()
+        if not engine_client.is_ready:
+            return APIError("the engine is starting", status=503, type="service_unavailable").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def show_metrics() -> Response:
+        metrics.update_engine_stats(engine_client.get_stats())
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    apply_endpoint_plugins(app, endpoint_plugins)
+    return app
+
+
+def apply_endpoint_plugins(app: FastAPI, plugins: Mapping[str, Callable[[FastAPI], None]] | None = None) -> None:
+    """Let each endpoint plugin add its routes; a plugin that fails, or shadows a route, stops start-up."""
+    if plugins is None:
+        plugins = load_plugins_by_group(ENDPOINT_PLUGINS_GROUP)
+        failed = [r for r in plugin_records(ENDPOINT_PLUGINS_GROUP) if r.status == "failed"]
+        if failed:
+            r = failed[0]
+            raise PluginError(
+                f"endpoint plugin {r.name!r} ({r.value}, from {r.distribution}) failed to load: {r.error}. "
+                "Fix or uninstall it, or leave it out with LOOM_PLUGINS."
+            )
+    for name, add_routes in plugins.items():
+        before = {_route_key(r) for r in app.router.routes}
+        try:
+            add_routes(app)
+        except Exception as e:
+            raise PluginError(
+                f"endpoint plugin {name!r} ({getattr(add_routes, '__module__', '?')}."
+                f"{getattr(add_routes, '__qualname__', add_routes)}) raised {type(e).__name__}: {e} "
+                "while adding its routes"
+            ) from e
+        added = [_route_key(r) for r in app.router.routes[len(before):]]
+        shadowed = [key for key in added if key in before]
+        if shadowed:
+            raise PluginError(f"endpoint plugin {name!r} adds routes that already exist: {shadowed}; "
+                              "the first route wins, so the plugin's would never run")
+        logger.info("Endpoint plugin %s added %s", name, ", ".join(f"{m} {p}" for p, m in added) or "no routes")
+
+
+def _respond(result: Any) -> Any:
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump())
+    return result
+
+
+def _route_key(route: BaseRoute) -> tuple[str, str]:
+    methods = getattr(route, "methods", None) or {"*"}
+    return getattr(route, "path", repr(route)), ",".join(sorted(methods))
+
+
+async def _unless_disconnected(request: Request, handler: Awaitable[Any]) -> Any:
+    """Run a handler, cancelling it (and so aborting its requests) if the client goes away first."""
+    task = asyncio.ensure_future(handler)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    logger.info("Client disconnected before the response; its request was aborted")
+    return Response(status_code=499)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if "json" not in request.headers.get("content-type", ""):
+            return APIError("the body must be JSON, sent with 'Content-Type: application/json'").response()
+        errors = exc.errors()
+        parts, param = [], None
+        for err in errors[:5]:
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            if err.get("type") == "json_invalid":
+                parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+                continue
+            param = param or ".".join(loc) or None
+            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+        return APIError("; ".join(parts) or "invalid request", param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(str(exc.detail), status=exc.status_code, type=kind).response()
+
+
+class _ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every ``/v1/*`` request (pure ASGI: streams stay untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")) and scope["method"] != "OPTIONS":
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                response = APIError("Incorrect or missing API key; send it as 'Authorization: Bearer <key>'",
+                                    status=401, code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

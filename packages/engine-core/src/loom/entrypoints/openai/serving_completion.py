@@ -1,0 +1,155 @@
+"""``POST /v1/completions``: one or more prompts, ``n`` choices each, JSON or SSE."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from ...outputs import CompletionOutput, RequestOutput
+from .protocol import (
+    SSE_DONE,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    sse,
+)
+from .serving_engine import (
+    APIError,
+    ChoiceState,
+    OpenAIServing,
+    api_error_from,
+    merge_async_iterators,
+    sampled_logprobs,
+    token_text,
+)
+from .streaming import Prefetched, SSEResponse, prefetch
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | SSEResponse:
+        model_name = self.check_request(request)
+        if request.echo:
+            raise APIError("echo is not supported by loom", param="echo")
+        if request.suffix:
+            raise APIError("suffix is not supported by loom", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError("best_of must equal n (loom returns every sampled completion)", param="best_of")
+        if request.stream_options is not None and not request.stream:
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
+        prompts = self._prompts(request)
+        params = [
+            self.sampling_params(request, self.resolve_max_tokens(len(ids), request.max_tokens, "max_tokens"),
+                                 request.logprobs)
+            for _, ids in prompts
+        ]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        merged = merge_async_iterators([
+            self.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}", text, ids, p)
+            for i, ((text, ids), p) in enumerate(zip(prompts, params))
+        ])
+        merged = await prefetch(merged)  # an engine-side rejection is still an HTTP error here
+        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+        n = request.n
+        if request.stream:
+            include_usage = request.stream_options is not None and request.stream_options.include_usage
+            return SSEResponse(self._stream(merged, request_id, model_name, n, len(prompts), num_prompt_tokens,
+                                            include_usage, request.return_tokens_as_token_ids),
+                               on_close=merged.aclose)
+        states = [ChoiceState() for _ in range(len(prompts) * n)]
+        logprobs = [CompletionLogprobs() for _ in states] if request.logprobs is not None else None
+        try:
+            async for i, out in merged:
+                for c in out.outputs:
+                    index = i * n + c.index
+                    _update(states[index], c, logprobs[index] if logprobs else None,
+                            request.return_tokens_as_token_ids)
+        except Exception as e:
+            raise api_error_from(e) from e
+        finally:
+            await merged.aclose()
+        choices = [
+            CompletionChoice(index=i, text="".join(s.text), logprobs=logprobs[i] if logprobs else None,
+                             finish_reason=s.finish_reason or "abort", stop_reason=s.stop_reason)
+            for i, s in enumerate(states)
+        ]
+        num_generated = sum(s.num_tokens for s in states)
+        return CompletionResponse(
+            id=request_id, model=model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
+                            total_tokens=num_prompt_tokens + num_generated),
+        )
+
+    def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            items: list = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError("prompt is empty; give a string, a list of strings or token ids", param="prompt")
+        out: list[tuple[str | None, list[int]]] = []
+        for item in items:
+            if isinstance(item, str):
+                out.append((item, list(self.tokenizer.encode(item))))
+                continue
+            bad = [t for t in item if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt")
+            out.append((None, list(item)))
+        return out
+
+    async def _stream(self, merged: Prefetched[tuple[int, RequestOutput]], request_id: str, model_name: str,
+                      n: int, num_prompts: int, num_prompt_tokens: int, include_usage: bool,
+                      as_ids: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        states = [ChoiceState() for _ in range(num_prompts * n)]
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            return sse(CompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
+                                       usage=usage))
+
+        try:
+            async for i, out in merged:
+                for c in out.outputs:
+                    index = i * n + c.index
+                    delta_logprobs = CompletionLogprobs() if c.logprobs is not None else None
+                    _update(states[index], c, delta_logprobs, as_ids)
+                    if c.text or c.finish_reason is not None or (delta_logprobs and delta_logprobs.tokens):
+                        yield chunk([CompletionChoice(index=index, text=c.text, logprobs=delta_logprobs,
+                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+        except Exception as e:  # the status line is sent: the error goes in the stream
+            yield sse(api_error_from(e).body())
+            yield SSE_DONE
+            return
+        for index, s in enumerate(states):
+            if s.finish_reason is None:  # aborted by the server
+                yield chunk([CompletionChoice(index=index, text="", finish_reason="abort")])
+        if include_usage:
+            num_generated = sum(s.num_tokens for s in states)
+            yield chunk([], UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
+                                      total_tokens=num_prompt_tokens + num_generated))
+        yield SSE_DONE
+
+
+def _update(state: ChoiceState, c: CompletionOutput, logprobs: CompletionLogprobs | None, as_ids: bool) -> None:
+    state.text.append(c.text)
+    state.num_tokens += len(c.token_ids)
+    if c.finish_reason is not None:
+        state.finish_reason, state.stop_reason = c.finish_reason, c.stop_reason
+    if logprobs is None:
+        return
+    for token_id, entry in sampled_logprobs(c):
+        sampled = entry.get(token_id)
+        text = token_text(sampled, token_id, as_ids)
+        logprobs.tokens.append(text)
+        logprobs.token_logprobs.append(sampled.logprob if sampled is not None else None)
+        logprobs.top_logprobs.append({token_text(lp, tid, as_ids): lp.logprob for tid, lp in entry.items()})
+        logprobs.text_offset.append(state.text_offset)
+        state.text_offset += len(token_text(sampled, token_id))

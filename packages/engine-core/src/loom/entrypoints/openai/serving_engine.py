@@ -1,0 +1,233 @@
+"""What both OpenAI endpoints share: checks that keep bad requests from the engine, sampling
+parameters from a request body, the engine stream with metrics, logprobs in OpenAI shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse
+
+from ...engine.async_llm import EngineClient, EngineDeadError, EngineError
+from ...logger import init_logger
+from ...metrics import ServerMetrics
+from ...outputs import CompletionOutput, Logprob, RequestOutput
+from ...sampling_params import SamplingParams
+from .protocol import ErrorInfo, ErrorResponse, _SamplingRequest
+
+logger = init_logger(__name__)
+
+T = TypeVar("T")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape; raised anywhere in a handler."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code if self.code is not None else self.status))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+def api_error_from(exc: BaseException) -> APIError:
+    """The HTTP face of what ``EngineClient.generate`` raises."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), status=503, type="engine_dead_error")
+    if isinstance(exc, EngineError):
+        return APIError(str(exc), status=500, type="server_error")
+    logger.exception("Unexpected error while serving a request", exc_info=exc)
+    return APIError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="server_error")
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What has been produced for one choice so far."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[Any] = field(default_factory=list)
+    text_offset: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine_client: EngineClient, served_model_names: Sequence[str],
+                 metrics: ServerMetrics | None = None) -> None:
+        self.engine_client = engine_client
+        self.served_model_names = list(served_model_names)
+        self.metrics = metrics
+        self.tokenizer = engine_client.tokenizer
+        model_config = engine_client.config.model_config
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.get_vocab_size()
+
+    # ---- checks before anything reaches the engine --------------------------------------
+    def check_request(self, request: _SamplingRequest) -> str:
+        """Model name, engine health and fields loom cannot honour; returns the model name to answer with."""
+        if request.model is not None and request.model not in self.served_model_names:
+            raise APIError(f"The model `{request.model}` does not exist. Served: {', '.join(self.served_model_names)}",
+                           status=404, param="model", code="model_not_found")
+        dead = self.engine_client.dead_error
+        if dead is not None:
+            raise APIError(dead, status=503, type="engine_dead_error")
+        if not self.engine_client.is_ready:
+            raise APIError("the engine is not ready yet; retry when /health answers 200", status=503,
+                           type="service_unavailable")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(request, name):
+                raise APIError(f"{name} is not supported by loom; use repetition_penalty", param=name)
+        if request.logit_bias:
+            raise APIError("logit_bias is not supported by loom", param="logit_bias")
+        if request.model_extra:
+            logger.warning("Ignored unknown request fields: %s", ", ".join(sorted(request.model_extra)))
+        return request.model or self.served_model_names[0]
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str) -> int | None:
+        if num_prompt_tokens == 0:
+            raise APIError("the prompt is empty; give at least one token", param="prompt")
+        if requested is None:
+            if num_prompt_tokens >= self.max_model_len:
+                raise APIError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                    f"has {num_prompt_tokens} tokens, which leaves no room for a completion. Shorten the prompt.",
+                    param="prompt")
+            return self.max_model_len - num_prompt_tokens
+        if requested >= 1 and num_prompt_tokens + requested > self.max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, {requested} for "
+                f"the completion). Shorten the prompt or lower {param}.", param=param)
+        return requested
+
+    def sampling_params(self, request: _SamplingRequest, max_tokens: int | None,
+                        logprobs: int | None) -> SamplingParams:
+        stop = request.stop
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k or 0,
+                seed=request.seed,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                stop=[stop] if isinstance(stop, str) else list(stop or []),
+                stop_token_ids=list(request.stop_token_ids or []),
+                ignore_eos=request.ignore_eos,
+                logprobs=logprobs,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise APIError(str(e)) from None
+
+    # ---- the engine stream --------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """``engine_client.generate`` plus the request's metrics, observed when it ends (any way)."""
+        start = time.monotonic()
+        first_token: float | None = None
+        num_tokens = 0
+        reasons: dict[int, str] = {}
+        accepted = True
+        try:
+            async with aclosing(self.engine_client.generate(request_id, prompt, prompt_token_ids, params)) as stream:
+                async for out in stream:
+                    for c in out.outputs:
+                        if c.token_ids and first_token is None:
+                            first_token = time.monotonic()
+                        num_tokens += len(c.token_ids)
+                        if c.finish_reason is not None:
+                            reasons[c.index] = c.finish_reason
+                    yield out
+        except ValueError:
+            accepted = False
+            raise
+        except EngineError:
+            reasons = {i: reasons.get(i, "error") for i in range(params.n)}
+            raise
+        finally:
+            if accepted and self.metrics is not None:
+                ended = [reasons.get(i, "abort") for i in range(params.n)]
+                self.metrics.observe_request(
+                    num_prompt_tokens=len(prompt_token_ids), num_generation_tokens=num_tokens,
+                    finish_reasons=ended, ttft=None if first_token is None else first_token - start,
+                    e2e=time.monotonic() - start)
+
+
+async def merge_async_iterators(iterators: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's position.
+
+    Closing the merged iterator (or an error in one input) cancels and closes every input,
+    which aborts their requests.
+    """
+    if len(iterators) == 1:
+        async with aclosing(iterators[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except Exception as e:
+            await queue.put((i, e))
+        await queue.put((i, done))
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()  # type: ignore[attr-defined]
+
+
+# ---- logprobs -------------------------------------------------------------------------------
+def token_text(logprob: Logprob | None, token_id: int, as_id: bool = False) -> str:
+    if not as_id and logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return f"token_id:{token_id}"
+
+
+def sampled_logprobs(c: CompletionOutput) -> list[tuple[int, dict[int, Logprob]]]:
+    """(sampled token id, its entry) per token of a delta; the entry holds the sampled token and the top ones."""
+    if c.logprobs is None:
+        return []
+    return list(zip(c.token_ids, c.logprobs))
+
+
+def top_alternatives(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens at a position, by rank."""
+    ranked = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(ranked, key=lambda item: item[1].rank)[:k]  # type: ignore[arg-type,return-value]

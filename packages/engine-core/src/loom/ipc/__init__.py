@@ -1,0 +1,1 @@
+"""Messages that cross process boundaries, and their msgpack codec."""

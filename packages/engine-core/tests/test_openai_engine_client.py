@@ -1,0 +1,203 @@
+"""InprocAsyncLLM over a model-free executor: streams, aborts, failed steps, a dead engine, stat loggers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+from loom.config import CacheConfig, SchedulerConfig
+from loom.engine.async_llm import EngineDeadError, InprocAsyncLLM, RequestFailedError
+from loom.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loom.metrics import load_stat_loggers
+from loom.sampling_params import SamplingParams
+from loom_plugin_api import PluginError
+
+TOKEN = 11  # never the EOS below, so max_tokens ends every request
+
+
+class CountingExecutor:
+    """Samples TOKEN for every request that samples; ``fail_next`` makes the next step raise."""
+
+    def __init__(self, num_blocks: int = 64) -> None:
+        self.num_blocks = num_blocks
+        self.fail_next = False
+        self.delay = 0.0
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("device fell over")
+        if self.delay:
+            time.sleep(self.delay)
+        ids = [r.req_id for r in out.scheduled if r.sample]
+        return ModelRunnerOutput(req_ids=ids, sampled_token_ids=[TOKEN] * len(ids))
+
+    def shutdown(self) -> None:
+        pass
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.stats = []
+        self.logs = 0
+
+    def record(self, stats) -> None:
+        self.stats.append(stats)
+
+    def log(self) -> None:
+        self.logs += 1
+
+
+def make_client(executor: CountingExecutor | None = None, **kwargs) -> InprocAsyncLLM:
+    config = SimpleNamespace(
+        cache_config=CacheConfig(block_size=4),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        model_config=SimpleNamespace(max_model_len=64, hf_config=SimpleNamespace(eos_token_id=7)),
+    )
+    kwargs.setdefault("stat_loggers", [])
+    return InprocAsyncLLM(config, executor or CountingExecutor(), None, **kwargs)
+
+
+async def collect(client: InprocAsyncLLM, request_id: str, params: SamplingParams) -> list:
+    return [out async for out in client.generate(request_id, None, [1, 2, 3], params)]
+
+
+def test_streams_deltas_and_routes_concurrent_requests() -> None:
+    recorder = Recorder()
+    client = make_client(stat_loggers=[recorder], log_stats_interval=0.0)
+
+    async def main():
+        params = [SamplingParams(max_tokens=k, temperature=0) for k in (3, 5, 8)]
+        results = await asyncio.gather(*(collect(client, f"r{i}", p) for i, p in enumerate(params)))
+        await client.shutdown()
+        return results
+
+    results = asyncio.run(main())
+    for outs, k in zip(results, (3, 5, 8)):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        tokens = [t for o in outs for c in o.outputs for t in c.token_ids]
+        assert tokens == [TOKEN] * k
+        assert outs[-1].outputs[0].finish_reason == "length"
+    assert recorder.stats and recorder.stats[-1].num_generation_tokens == 16
+    assert recorder.logs >= 1
+    assert client.dead_error is not None and "shut down" in client.dead_error
+
+
+def test_n_streams_by_index() -> None:
+    client = make_client()
+
+    async def main():
+        outs = await collect(client, "r", SamplingParams(n=3, max_tokens=4, seed=1))
+        await client.shutdown()
+        return outs
+
+    outs = asyncio.run(main())
+    per_index = {}
+    for out in outs:
+        for c in out.outputs:
+            per_index[c.index] = per_index.get(c.index, 0) + len(c.token_ids)
+    assert per_index == {0: 4, 1: 4, 2: 4}
+
+
+def test_leaving_the_stream_aborts_and_external_abort_ends_it() -> None:
+    executor = CountingExecutor()
+    executor.delay = 0.01
+    client = make_client(executor)
+
+    async def main():
+        stream = client.generate("early", None, [1, 2], SamplingParams(max_tokens=50))
+        first = await stream.__anext__()
+        await stream.aclose()  # the consumer left: the request must be aborted
+        deadline = time.monotonic() + 5
+        while client.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        left_after_close = client.engine.has_unfinished_requests()
+
+        async def abort_soon():
+            await asyncio.sleep(0.05)
+            await client.abort("other")
+
+        task = asyncio.create_task(abort_soon())
+        outs = await collect(client, "other", SamplingParams(max_tokens=50))
+        await task
+        await client.shutdown()
+        return first, left_after_close, outs
+
+    first, left_after_close, outs = asyncio.run(main())
+    assert first.outputs[0].token_ids
+    assert not left_after_close
+    assert outs[-1].finished and sum(len(c.token_ids) for o in outs for c in o.outputs) < 50
+
+
+def test_engine_rejection_is_a_value_error() -> None:
+    client = make_client()
+
+    async def main():
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in client.generate("long", None, list(range(100)), SamplingParams(max_tokens=2)):
+                pass
+        # the engine goes on
+        outs = await collect(client, "ok", SamplingParams(max_tokens=2))
+        await client.shutdown()
+        return outs
+
+    assert asyncio.run(main())[-1].finished
+
+
+def test_failed_step_fails_only_its_requests() -> None:
+    executor = CountingExecutor()
+    client = make_client(executor)
+
+    async def main():
+        executor.fail_next = True
+        with pytest.raises(RequestFailedError, match="device fell over"):
+            await collect(client, "a", SamplingParams(max_tokens=3))
+        outs = await collect(client, "b", SamplingParams(max_tokens=3))
+        await client.shutdown()
+        return outs
+
+    assert asyncio.run(main())[-1].finished
+    assert not client.engine.has_unfinished_requests()
+
+
+def test_dead_engine_fails_every_request_and_names_the_cause() -> None:
+    executor = CountingExecutor()
+    executor.delay = 0.01
+    client = make_client(executor)
+
+    def broken_step():
+        raise KeyError("scheduler state is corrupt")
+
+    async def main():
+        stream = client.generate("a", None, [1, 2], SamplingParams(max_tokens=50))
+        await stream.__anext__()
+        client.engine.step = broken_step
+        with pytest.raises(EngineDeadError) as in_flight:
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError) as later:
+            await collect(client, "b", SamplingParams(max_tokens=2))
+        return str(in_flight.value), str(later.value)
+
+    in_flight, later = asyncio.run(main())
+    assert "engine thread of process" in in_flight and "KeyError" in in_flight and "corrupt" in in_flight
+    assert later == in_flight
+    assert not client.is_ready and client.errored
+
+
+def test_stat_logger_factory_without_record_is_a_clear_error(monkeypatch) -> None:
+    import loom.metrics as metrics
+
+    monkeypatch.setattr(metrics, "load_plugins_by_group", lambda group: {"no_record": lambda config: object()})
+    monkeypatch.setattr(metrics, "plugin_records", lambda group: [])
+    with pytest.raises(TypeError, match="'no_record'.*no record"):
+        load_stat_loggers(SimpleNamespace())
+
+    def boom(config):
+        raise RuntimeError("no config for me")
+
+    monkeypatch.setattr(metrics, "load_plugins_by_group", lambda group: {"boom": boom})
+    with pytest.raises(PluginError, match="'boom'.*no config for me"):
+        load_stat_loggers(SimpleNamespace())
