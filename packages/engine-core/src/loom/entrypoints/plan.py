@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from ..config import LoomConfig
+from ..ipc.messages import PROTOCOL_VERSION
 
 MAX_FRAME_BYTES = 64 << 20
 
@@ -55,7 +56,8 @@ def build_plan(config: LoomConfig, args: argparse.Namespace) -> dict[str, Any]:
         worker_env.setdefault("OMP_NUM_THREADS", str(per_rank))
     processes = [
         {"role": "frontend", "rank": 0, "env": frontend_env,
-         "argv": [python, "-m", "loom.entrypoints.frontend", "--host", args.host, "--port", str(args.port)]},
+         "argv": [python, "-m", "loom.entrypoints.frontend", "--host", args.host, "--port", str(args.port),
+                  "--grace-period", str(args.grace_period)]},
         {"role": "engine_core", "rank": 0, "env": env, "argv": [python, "-m", "loom.engine.core_proc"]},
     ]
     for rank in range(tp):
@@ -69,6 +71,7 @@ def build_plan(config: LoomConfig, args: argparse.Namespace) -> dict[str, Any]:
         "grace_period_s": float(args.grace_period),
         "max_frame_bytes": MAX_FRAME_BYTES,
         "ready_url": f"http://{host}:{args.port}",
+        "protocol_version": PROTOCOL_VERSION,
     }
 
 

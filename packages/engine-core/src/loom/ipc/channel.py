@@ -14,7 +14,7 @@ from typing import Any
 
 from ..logger import init_logger
 from .codec import encode
-from .messages import PROTOCOL_VERSION, decode_body
+from .messages import BODY_TYPES, PROTOCOL_VERSION, decode_body
 
 logger = init_logger(__name__)
 
@@ -26,12 +26,20 @@ class Message:
     body: Any
 
 
+def ignore_terminal_interrupts() -> None:
+    """Children share the supervisor's process group, so a Ctrl-C in the terminal reaches
+    them too; the supervisor coordinates the drain (SHUTDOWN, then SIGTERM), so they ignore it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def role_name(role: str, rank: int | None) -> str:
     return f"worker:{rank}" if role == "worker" else role
 
 
 class Channel:
-    """Blocking send/recv of typed messages through the supervisor."""
+    """Blocking send/recv of typed messages through the supervisor (thread-safe per direction)."""
 
     def __init__(self, role: str, rank: int = 0) -> None:
         from loom_supervisor import client
@@ -39,7 +47,8 @@ class Channel:
         self.role = role
         self.rank = rank
         self.name = role_name(role, rank)
-        self._conn = client.connect(os.environ["LOOM_SUPERVISOR_SOCKET"])
+        self._client = client
+        self._conn = client.connect(os.environ["LOOM_SUPERVISOR_SOCKET"], role, rank)
         self._config_bytes = self._conn.hello(role, rank, PROTOCOL_VERSION)
 
     def config(self) -> Any:
@@ -53,16 +62,26 @@ class Channel:
         self._conn.send(dst, kind, encode(msg))
 
     def recv(self, timeout: float | None = None) -> Message | None:
-        """The next message, decoded; None on timeout. Control frames have no body type."""
-        frame = self._conn.recv(timeout)
-        if frame is None:
-            return None
-        body = decode_body(frame.kind, frame.body) if frame.body and frame.kind.isupper() and \
-            frame.kind not in ("SHUTDOWN", "PEER_DIED") else frame.body
-        return Message(frame.src, frame.kind, body)
+        """The next message, decoded; None on timeout. ``EOFError`` when the supervisor is gone.
 
-    def fileno(self) -> int:
-        return self._conn.fileno()
+        A body that does not decode is logged and dropped: one bad frame must not take
+        the process down.
+        """
+        while True:
+            frame = self._conn.recv(timeout)
+            if frame is None:
+                return None
+            try:
+                if frame.kind in BODY_TYPES:
+                    body: Any = decode_body(frame.kind, frame.body)
+                elif frame.kind == self._client.PEER_DIED:
+                    body = self._client.decode_body(frame)
+                else:
+                    body = frame.body
+            except (ValueError, TypeError, KeyError) as e:
+                logger.error("Dropped a %s frame from %s whose body does not decode: %s", frame.kind, frame.src, e)
+                continue
+            return Message(frame.src, frame.kind, body)
 
     def close(self) -> None:
         self._conn.close()
