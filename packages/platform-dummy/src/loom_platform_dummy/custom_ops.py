@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from loom.layers.rotary_embedding import RotaryEmbedding
+
+from .logging import logger
 
 
 @RotaryEmbedding.register_oot
@@ -22,5 +25,8 @@ class DummyRotaryEmbedding(RotaryEmbedding):
         self.addition_config = True
 
     def forward_oot(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        type(self).forward_oot_calls += 1
+        cls = type(self)
+        if cls.forward_oot_calls == 0:  # once per process, so the serve's log shows where it runs
+            logger.info("DummyRotaryEmbedding.forward_oot runs in pid %d", os.getpid())
+        cls.forward_oot_calls += 1
         return super().forward_oot(*args, **kwargs)

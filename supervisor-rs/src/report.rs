@@ -1,0 +1,219 @@
+//! What the supervisor says about a child that failed: the one report on stderr and the
+//! PEER_DIED body sent to the lead process.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::logs::SELF;
+use crate::spawn::Exit;
+use crate::spec::{Address, Role};
+
+/// Where a child was in its life when it failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Phase {
+    /// Started; no HELLO yet.
+    Spawned,
+    /// HELLO accepted; CONFIG not yet written.
+    Hello,
+    /// CONFIG written; no READY yet.
+    Config,
+    /// READY; some other process is still starting.
+    Ready,
+    /// Every process is ready: serving.
+    Running,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Spawned => "spawned",
+            Phase::Hello => "hello",
+            Phase::Config => "config",
+            Phase::Ready => "ready",
+            Phase::Running => "running",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Phase::Spawned => "start-up phase 'spawned' (before its HELLO)",
+            Phase::Hello => "start-up phase 'hello' (HELLO received, before its CONFIG)",
+            Phase::Config => "start-up phase 'config' (CONFIG sent, before its READY)",
+            Phase::Ready => "phase 'ready' (waiting for the other processes)",
+            Phase::Running => "phase 'running'",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cause {
+    Exited(Exit),
+    /// A start-up phase took longer than `startup_timeout_s`.
+    Deadline {
+        phase: Phase,
+        timeout: Duration,
+    },
+    BadHello(String),
+}
+
+impl Cause {
+    pub fn describe(&self) -> String {
+        match self {
+            Cause::Exited(exit) => exit.to_string(),
+            Cause::Deadline { phase, timeout } => {
+                let what = match phase {
+                    Phase::Spawned => "sent no HELLO within",
+                    Phase::Hello => "did not take its CONFIG within",
+                    _ => "sent no READY within",
+                };
+                format!("missed its start-up deadline: {what} {}", secs(*timeout))
+            }
+            Cause::BadHello(reason) => format!("was stopped at HELLO: {reason}"),
+        }
+    }
+}
+
+/// The failed child, as far as the report is concerned.
+pub struct Who {
+    pub address: Address,
+    pub role: Role,
+    pub rank: u32,
+    pub pid: u32,
+}
+
+pub struct Failure {
+    pub idx: usize,
+    pub cause: Cause,
+    pub phase: Phase,
+}
+
+/// The single report printed when a child fails. `final_exit` is how the child ended in
+/// the end (it may have been alive at the failure and stopped afterwards).
+pub fn render(who: &Who, failure: &Failure, final_exit: Option<&Exit>, tail: &[String], others: usize) -> String {
+    let mut out = String::new();
+    let line = |out: &mut String, text: &str| {
+        let _ = writeln!(out, "{SELF}: {text}");
+    };
+    line(
+        &mut out,
+        &format!("{} (pid {}) {} in {}", who.address, who.pid, failure.cause.describe(), failure.phase.describe()),
+    );
+    line(&mut out, &format!("  role: {}, rank: {}, pid: {}", who.role.as_str(), who.rank, who.pid));
+    if !matches!(failure.cause, Cause::Exited(_)) {
+        if let Some(exit) = final_exit {
+            line(&mut out, &format!("  it was then stopped: it {exit}"));
+        }
+    }
+    if tail.is_empty() {
+        line(&mut out, "  its stderr was empty");
+    } else {
+        let what = if tail.len() == 1 { "last line".to_string() } else { format!("last {} lines", tail.len()) };
+        line(&mut out, &format!("  {what} of its stderr:"));
+        for l in tail {
+            line(&mut out, &format!("  | {l}"));
+        }
+    }
+    let stopped = match others {
+        0 => "no other process to stop".to_string(),
+        1 => "stopped the other process".to_string(),
+        n => format!("stopped the other {n} processes"),
+    };
+    line(&mut out, &format!("{stopped}; exiting with code 1"));
+    out
+}
+
+#[derive(Serialize)]
+struct PeerDied<'a> {
+    role: &'a str,
+    rank: u32,
+    pid: u32,
+    exit_code: Option<i32>,
+    signal: Option<String>,
+    phase: &'a str,
+    reason: String,
+    stderr_tail: &'a [String],
+}
+
+/// The PEER_DIED body: a msgpack map `{role, rank, pid, exit_code, signal, phase, reason,
+/// stderr_tail}`; `exit_code` and `signal` are nil unless the child has exited that way.
+pub fn peer_died_body(who: &Who, failure: &Failure, tail: &[String]) -> Vec<u8> {
+    let (exit_code, signal) = match &failure.cause {
+        Cause::Exited(Exit::Code(code)) => (Some(*code), None),
+        Cause::Exited(Exit::Signal(sig)) => (None, Some(Exit::signal_name(*sig))),
+        _ => (None, None),
+    };
+    let body = PeerDied {
+        role: who.role.as_str(),
+        rank: who.rank,
+        pid: who.pid,
+        exit_code,
+        signal,
+        phase: failure.phase.as_str(),
+        reason: format!("{} {}", who.address, failure.cause.describe()),
+        stderr_tail: tail,
+    };
+    // A struct of strings and integers always encodes; an empty body is the fallback.
+    rmp_serde::to_vec_named(&body).unwrap_or_default()
+}
+
+pub fn secs(d: Duration) -> String {
+    format!("{} s", d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn who() -> Who {
+        Who { address: Address::Worker(1), role: Role::Worker, rank: 1, pid: 4242 }
+    }
+
+    #[test]
+    fn report_names_everything() {
+        let failure = Failure { idx: 3, cause: Cause::Exited(Exit::Signal(9)), phase: Phase::Config };
+        let tail = vec!["Traceback (most recent call last):".to_string(), "ValueError: boom".to_string()];
+        let text = render(&who(), &failure, None, &tail, 3);
+        assert!(text.contains("worker:1 (pid 4242) was killed by SIGKILL in start-up phase 'config'"), "{text}");
+        assert!(text.contains("role: worker, rank: 1, pid: 4242"), "{text}");
+        assert!(text.contains("  | ValueError: boom"), "{text}");
+        assert!(text.contains("stopped the other 3 processes; exiting with code 1"), "{text}");
+        assert!(text.lines().all(|l| l.starts_with("loom-supervisor: ")));
+    }
+
+    #[test]
+    fn deadline_report_says_how_it_ended() {
+        let failure = Failure {
+            idx: 0,
+            cause: Cause::Deadline { phase: Phase::Spawned, timeout: Duration::from_millis(1500) },
+            phase: Phase::Spawned,
+        };
+        let text = render(&who(), &failure, Some(&Exit::Signal(15)), &[], 1);
+        assert!(text.contains("sent no HELLO within 1.5 s"), "{text}");
+        assert!(text.contains("it was then stopped: it was killed by SIGTERM"), "{text}");
+        assert!(text.contains("its stderr was empty"), "{text}");
+        assert!(text.contains("stopped the other process;"), "{text}");
+    }
+
+    #[test]
+    fn peer_died_body_is_a_map() {
+        #[derive(serde::Deserialize)]
+        struct Body {
+            role: String,
+            rank: u32,
+            pid: u32,
+            exit_code: Option<i32>,
+            signal: Option<String>,
+            phase: String,
+            stderr_tail: Vec<String>,
+        }
+        let failure = Failure { idx: 3, cause: Cause::Exited(Exit::Code(3)), phase: Phase::Running };
+        let bytes = peer_died_body(&who(), &failure, &["x".to_string()]);
+        let body: Body = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!((body.role.as_str(), body.rank, body.pid), ("worker", 1, 4242));
+        assert_eq!((body.exit_code, body.signal), (Some(3), None));
+        assert_eq!(body.phase, "running");
+        assert_eq!(body.stderr_tail, vec!["x"]);
+    }
+}

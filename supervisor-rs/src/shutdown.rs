@@ -1,0 +1,184 @@
+//! How a serve ends: after a child failed, after a stop request (SIGINT/SIGTERM), or after
+//! the lead process finished on its own; and the stop sequence they share
+//! (SIGTERM in role order, grace period, SIGKILL).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::time::Instant;
+
+use crate::frame::{self, kind};
+use crate::report::{self, secs, Failure, Phase};
+use crate::spawn::Exit;
+use crate::spec::{Role, PROTOCOL_VERSION};
+use crate::supervisor::Supervisor;
+
+/// How long the lead gets to flush (error events to clients) after PEER_DIED.
+const PEER_DIED_FLUSH: Duration = Duration::from_secs(1);
+/// A role group signalled after the shared grace deadline still gets this long.
+const MIN_GROUP_GRACE: Duration = Duration::from_secs(1);
+/// SIGKILL cannot be refused; this only bounds a wait on a stuck kernel.
+const REAP_AFTER_KILL: Duration = Duration::from_secs(5);
+
+const STOP_ORDER: [Role; 3] = [Role::Frontend, Role::EngineCore, Role::Worker];
+
+/// Whether a child ended the way a requested stop should end it.
+pub fn is_clean(exit: &Exit, killed: bool) -> bool {
+    let term = Signal::SIGTERM as i32;
+    let int = Signal::SIGINT as i32;
+    !killed
+        && match exit {
+            Exit::Code(code) => *code == 0 || *code == 128 + term || *code == 128 + int,
+            Exit::Signal(sig) => *sig == term || *sig == int,
+            Exit::Unknown(_) => false,
+        }
+}
+
+impl Supervisor {
+    /// A child died, missed a deadline or sent a bad HELLO: tell the lead, stop the
+    /// rest, print one report. Always exit code 1.
+    pub(crate) async fn on_failure(&mut self, failure: Failure) -> i32 {
+        let idx = failure.idx;
+        if !self.children[idx].alive() {
+            self.settle_stderr(idx).await;
+        }
+        let lead = self.lead;
+        let lead_listens = self.children[lead].alive() && self.children[lead].phase >= Phase::Hello;
+        if lead != idx && lead_listens {
+            let tail = self.children[idx].spawned.stderr_tail.lines();
+            let body = report::peer_died_body(&self.children[idx].who(), &failure, &tail);
+            let dst = self.children[lead].address.to_string();
+            if self.send_to_lead(&dst, kind::PEER_DIED, &body) {
+                self.wait_for(move |s| !s.children[lead].alive(), Instant::now() + PEER_DIED_FLUSH).await;
+            }
+        }
+        self.stop_in_order().await;
+        self.settle_stderr(idx).await;
+        let child = &self.children[idx];
+        let others = self.children.len() - 1;
+        let text =
+            report::render(&child.who(), &failure, child.exit.as_ref(), &child.spawned.stderr_tail.lines(), others);
+        self.console.write(text.clone().into_bytes());
+        self.report = Some(text);
+        1
+    }
+
+    /// SIGINT/SIGTERM: SHUTDOWN to the lead (it stops accepting and drains), up to one
+    /// grace period for it to exit, then the stop sequence. 0 when every child ended
+    /// cleanly.
+    pub(crate) async fn on_stop_request(&mut self, sig: i32) -> i32 {
+        let name = Exit::signal_name(sig);
+        let lead = self.lead;
+        let grace = self.plan.grace_period;
+        let lead_listens = self.children[lead].alive() && self.children[lead].phase >= Phase::Hello;
+        let dst = self.children[lead].address.to_string();
+        if lead_listens && self.send_to_lead(&dst, kind::SHUTDOWN, b"") {
+            self.console.say(&format!("{name} received: {dst} is draining (up to {})", secs(grace)));
+            self.wait_for(move |s| !s.children[lead].alive(), Instant::now() + grace).await;
+        } else {
+            self.console.say(&format!("{name} received: stopping every process"));
+        }
+        self.stop_in_order().await;
+        self.judge_stop()
+    }
+
+    /// The lead exited 0 on its own: the serve is over; the others are stopped.
+    pub(crate) async fn on_lead_finished(&mut self) -> i32 {
+        let lead = &self.children[self.lead];
+        self.console.say(&format!("{} (pid {}) finished; stopping the other processes", lead.address, lead.pid));
+        self.stop_in_order().await;
+        self.judge_stop()
+    }
+
+    fn send_to_lead(&self, dst: &str, kind: &str, body: &[u8]) -> bool {
+        match frame::encode(PROTOCOL_VERSION, "supervisor", dst, kind, body) {
+            Ok(bytes) => self.relay.routes.try_deliver(self.lead, Arc::new(bytes)),
+            Err(e) => {
+                log::warn!("cannot encode {kind} for {dst}: {e}");
+                false
+            }
+        }
+    }
+
+    fn judge_stop(&self) -> i32 {
+        let unclean: Vec<String> = self
+            .children
+            .iter()
+            .filter(|c| !c.exit.as_ref().is_some_and(|e| is_clean(e, c.killed)))
+            .map(|c| match &c.exit {
+                Some(_) if c.killed => format!("{} (pid {}) had to be killed", c.address, c.pid),
+                Some(exit) => format!("{} (pid {}) {exit}", c.address, c.pid),
+                None => format!("{} (pid {}) did not exit", c.address, c.pid),
+            })
+            .collect();
+        if unclean.is_empty() {
+            self.console.say(&format!("all {} processes stopped", self.children.len()));
+            0
+        } else {
+            self.console.say(&format!("stopped, but not cleanly: {}; exiting with code 1", unclean.join("; ")));
+            1
+        }
+    }
+
+    /// SIGTERM to every live child, role by role (frontend, engine core, workers), each
+    /// group waited for until one shared grace deadline; then SIGKILL to what is left.
+    pub(crate) async fn stop_in_order(&mut self) {
+        let grace = self.plan.grace_period;
+        let deadline = Instant::now() + grace;
+        for role in STOP_ORDER {
+            let group: Vec<usize> = (0..self.children.len())
+                .filter(|&i| self.children[i].role == role && self.children[i].alive())
+                .collect();
+            if group.is_empty() {
+                continue;
+            }
+            for &i in &group {
+                self.signal(i, Signal::SIGTERM);
+            }
+            let group_deadline = deadline.max(Instant::now() + MIN_GROUP_GRACE.min(grace));
+            self.wait_for(move |s| group.iter().all(|&i| !s.children[i].alive()), group_deadline).await;
+        }
+        let stubborn: Vec<usize> = (0..self.children.len()).filter(|&i| self.children[i].alive()).collect();
+        if stubborn.is_empty() {
+            return;
+        }
+        let names: Vec<String> = stubborn.iter().map(|&i| self.children[i].address.to_string()).collect();
+        self.console.say(&format!(
+            "{} did not exit within {} of SIGTERM; sending SIGKILL",
+            names.join(", "),
+            secs(grace)
+        ));
+        for &i in &stubborn {
+            self.signal(i, Signal::SIGKILL);
+        }
+        self.wait_for(|s| s.children.iter().all(|c| !c.alive()), Instant::now() + REAP_AFTER_KILL).await;
+    }
+
+    /// A second stop request while stopping: no more patience.
+    pub(crate) fn escalate(&mut self, sig: i32) {
+        if !self.escalated {
+            self.escalated = true;
+            self.console.say(&format!("{} received again: killing every process now", Exit::signal_name(sig)));
+        }
+        for i in 0..self.children.len() {
+            self.signal(i, Signal::SIGKILL);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clean_exits() {
+        assert!(is_clean(&Exit::Code(0), false));
+        assert!(is_clean(&Exit::Signal(libc::SIGTERM), false));
+        assert!(is_clean(&Exit::Code(143), false));
+        assert!(!is_clean(&Exit::Code(0), true));
+        assert!(!is_clean(&Exit::Code(1), false));
+        assert!(!is_clean(&Exit::Signal(libc::SIGKILL), false));
+        assert!(!is_clean(&Exit::Signal(libc::SIGSEGV), false));
+    }
+}

@@ -1,0 +1,404 @@
+"""loom-supervisor end to end: real Python children talking through the supervisor.
+
+Needs the package installed (``maturin develop`` or ``pip install ./supervisor-rs``).
+Each serve runs in its own ``python -m loom_supervisor run-plan -`` process, so these
+tests can signal and SIGKILL it; one test runs ``loom_supervisor.run`` in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import loom_supervisor
+import msgpack
+import pytest
+from loom_supervisor import client
+
+# One script for every child; BEHAVIOUR (from the plan's env) picks what it does.
+CHILD = textwrap.dedent(
+    """
+    import os, sys, time
+    from loom_supervisor import client
+
+    behaviour = os.environ["BEHAVIOUR"]
+    role, rank = os.environ["LOOM_ROLE"], int(os.environ["LOOM_RANK"])
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)
+
+    if behaviour == "crash_before_hello":
+        log("loading weights")
+        raise RuntimeError("weights file is corrupt")
+
+    conn = client.connect()
+    config = conn.hello(protocol_version=int(os.environ.get("HELLO_VERSION", "1")))
+    assert config == b"CFG", config
+    if behaviour == "crash_after_hello" and role == "worker" and rank == 1:
+        log("INFO loading model")
+        time.sleep(0.5)  # let the frontend connect: it is told about the crash
+        raise RuntimeError("weights file is corrupt")
+    if behaviour == "hang_before_ready" and role == "worker":
+        time.sleep(60)
+    conn.ready()
+
+    def block():  # until the supervisor stops us
+        while True:
+            conn.recv()
+
+    if behaviour == "relay":
+        if role == "engine_core":
+            conn.send(client.WORKERS, "PING", b"fan")
+            pongs = sorted(conn.recv().body for _ in range(2))
+            assert pongs == [b"0", b"1"], pongs
+            conn.send("frontend", "DONE", b",".join(pongs))
+            block()
+        if role == "worker":
+            frame = conn.recv()
+            assert (frame.src, frame.dst, frame.kind, frame.body) == ("engine_core", "workers", "PING", b"fan")
+            conn.send("engine_core", "PONG", str(rank).encode())
+            while True:
+                frame = conn.recv()
+                if frame.kind != "ECHO":
+                    log(f"unexpected {frame.kind} from {frame.src}")
+                    sys.exit(5)
+                conn.send(frame.src, "ECHO", frame.body)
+        # frontend
+        done = conn.recv()
+        assert (done.src, done.kind, done.body) == ("engine_core", "DONE", b"0,1"), done
+        sock = conn._sock
+        sock.sendall(client.encode("engine_core", "worker:0", "SPOOF"))     # not our address
+        sock.sendall(client.encode("frontend", "worker:9", "LOST"))         # unknown dst
+        sock.sendall(client.encode("frontend", "worker:0", "BIG", b"x" * 10_000))  # over the limit
+        sock.sendall(b"\\x00\\x00\\x00\\x03\\xc1\\xc1\\xc1")                    # not msgpack
+        for r in (0, 1):
+            body = os.urandom(1000)
+            conn.send(f"worker:{r}", "ECHO", body)
+            echo = conn.recv()
+            assert (echo.src, echo.kind, echo.body) == (f"worker:{r}", "ECHO", body), echo
+        log("relay ok")
+        sys.exit(0)
+
+    if behaviour in ("serve", "crash_after_hello", "hang_before_ready"):
+        if role != "frontend":
+            block()
+        while True:
+            frame = conn.recv()
+            if frame.kind == client.SHUTDOWN:
+                log("draining")
+                sys.exit(0)
+            if frame.kind == client.PEER_DIED:
+                died = client.decode_body(frame)
+                log(f"PEER_DIED {died['role']} {died['rank']} {died['phase']} {died['exit_code']} "
+                    f"{(died['stderr_tail'] or [''])[-1]}")
+                time.sleep(0.2)
+                sys.exit(0)
+
+    if behaviour == "finish":
+        if role == "frontend":
+            sys.exit(0)
+        block()
+    """
+)
+
+READY = re.compile(r"loom-supervisor: (\S+) \(pid (\d+)\) ready")
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> Path:
+    path = tmp_path / "child.py"
+    path.write_text(CHILD)
+    return path
+
+
+def make_plan(child: Path, behaviour: str, roles: list[tuple[str, int]], hello_version: int = 1,
+              **limits: object) -> dict:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "BEHAVIOUR": behaviour, "PYTHONUNBUFFERED": "1",
+           "HELLO_VERSION": str(hello_version)}
+    processes = [{"role": r, "rank": k, "argv": [sys.executable, str(child)], "env": env} for r, k in roles]
+    plan = {"processes": processes, "config": b"CFG", "startup_timeout_s": 20.0, "grace_period_s": 3.0,
+            "max_frame_bytes": 4096, "ready_url": "http://127.0.0.1:8000"}
+    plan.update(limits)
+    return plan
+
+
+FOUR = [("frontend", 0), ("engine_core", 0), ("worker", 0), ("worker", 1)]
+
+
+class Serve:
+    """`python -m loom_supervisor run-plan -` in a subprocess, its stderr collected."""
+
+    def __init__(self, plan: dict, runtime_dir: Path) -> None:
+        runtime_dir.mkdir(exist_ok=True)
+        self.runtime_dir = runtime_dir
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "loom_supervisor", "run-plan", "-"],
+            stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )
+        assert self.proc.stdin and self.proc.stderr
+        self.proc.stdin.write(msgpack.packb(plan, use_bin_type=True))
+        self.proc.stdin.close()
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr
+        for raw in self.proc.stderr:
+            with self._changed:
+                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+                self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not any(pattern in line for line in self.lines):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None and not self._reader.is_alive():
+                    raise AssertionError(f"{pattern!r} not seen; stderr:\n{self.text}")
+                self._changed.wait(min(left, 0.1))
+
+    def finish(self, timeout: float = 30.0) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def child_pids(self) -> dict[str, int]:
+        return {m[1]: int(m[2]) for m in map(READY.search, self.lines) if m}
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (reaped by init eventually; it runs nothing)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def assert_all_gone(pids: list[int], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(gone(p) for p in pids):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still running: {[p for p in pids if not gone(p)]}")
+        time.sleep(0.05)
+
+
+def test_protocol_versions_agree() -> None:
+    assert client.PROTOCOL_VERSION == loom_supervisor.PROTOCOL_VERSION
+
+
+def test_frames_round_trip_through_the_decoder() -> None:
+    data = client.encode("worker:1", "engine_core", "X", b"body") + client.encode("frontend", "workers", "Y")
+    decoder = client.Decoder()
+    frames = decoder.feed(data[:5]) + decoder.feed(data[5:])
+    assert frames == [
+        client.Frame(1, "worker:1", "engine_core", "X", b"body"),
+        client.Frame(1, "frontend", "workers", "Y", b""),
+    ]
+    assert decoder.pending() == 0
+
+
+def test_recv_with_a_timeout_returns_none() -> None:
+    import socket
+
+    a, b = socket.socketpair()
+    conn = client.Client(a, "frontend")
+    assert conn.recv(0.05) is None
+    b.sendall(client.encode("engine_core", "frontend", "X", b"1")[:7])  # half a frame
+    assert conn.recv(0.05) is None
+    b.sendall(client.encode("engine_core", "frontend", "X", b"1")[7:])
+    assert conn.recv(1.0) == client.Frame(1, "engine_core", "frontend", "X", b"1")
+    b.close()
+    with pytest.raises(EOFError):
+        conn.recv()
+    conn.close()
+
+
+def test_relay_between_four_children(child: Path, tmp_path: Path) -> None:
+    serve = Serve(make_plan(child, "relay", FOUR), tmp_path / "xdg")
+    assert serve.finish() == 0, serve.text
+    text = serve.text
+    assert set(serve.child_pids()) == {"frontend", "engine_core", "worker:0", "worker:1"}
+    assert "loom-supervisor: all 4 processes ready; serving at http://127.0.0.1:8000" in text
+    assert "[frontend] relay ok" in text
+    # Each bad frame was rejected with a reason, and the serve went on.
+    assert 'SPOOF frame from frontend rejected: src "engine_core" is not the sender' in text
+    assert 'LOST frame from frontend rejected: unknown dst "worker:9"' in text
+    assert "frontend: frame of" in text and "over the limit of 4096 bytes" in text
+    assert "frontend: malformed frame" in text
+    assert "unexpected" not in text
+    assert "frontend (pid" in text and "finished; stopping the other processes" in text
+    assert list((tmp_path / "xdg").iterdir()) == []
+    assert_all_gone(list(serve.child_pids().values()))
+
+
+def test_sigkill_of_the_supervisor_takes_every_child(child: Path, tmp_path: Path) -> None:
+    serve = Serve(make_plan(child, "serve", FOUR), tmp_path / "xdg")
+    serve.wait_for("all 4 processes ready")
+    pids = list(serve.child_pids().values())
+    assert len(pids) == 4 and not any(gone(p) for p in pids)
+    serve.proc.kill()
+    serve.finish()
+    assert_all_gone(pids)
+    # Once every child had connected the run directory was already removed.
+    assert list((tmp_path / "xdg").iterdir()) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_drains_the_frontend_and_exits_0(child: Path, tmp_path: Path, sig: int) -> None:
+    serve = Serve(make_plan(child, "serve", FOUR), tmp_path / "xdg")
+    serve.wait_for("all 4 processes ready")
+    pids = list(serve.child_pids().values())
+    serve.proc.send_signal(sig)
+    assert serve.finish() == 0, serve.text
+    assert f"{signal.Signals(sig).name} received: frontend is draining" in serve.text
+    assert "[frontend] draining" in serve.text
+    assert "all 4 processes stopped" in serve.text
+    assert_all_gone(pids)
+    assert list((tmp_path / "xdg").iterdir()) == []
+
+
+def test_a_crash_during_start_up_is_reported_with_its_phase(child: Path, tmp_path: Path) -> None:
+    serve = Serve(make_plan(child, "crash_after_hello", FOUR), tmp_path / "xdg")
+    assert serve.finish() == 1, serve.text
+    text = serve.text
+    assert re.search(r"worker:1 \(pid \d+\) exited with code 1 in start-up phase 'config'", text), text
+    assert re.search(r"role: worker, rank: 1, pid: \d+", text), text
+    assert "| RuntimeError: weights file is corrupt" in text
+    assert "| INFO loading model" in text
+    assert "stopped the other 3 processes; exiting with code 1" in text
+    # The frontend heard about it first, with the same facts.
+    assert "[frontend] PEER_DIED worker 1 config 1 RuntimeError: weights file is corrupt" in text
+    # The report comes last, in one piece.
+    assert text.rstrip().endswith("exiting with code 1")
+    assert list((tmp_path / "xdg").iterdir()) == []
+
+
+def test_a_crash_before_hello_is_reported(child: Path, tmp_path: Path) -> None:
+    plan = make_plan(child, "crash_before_hello", [("engine_core", 0)])
+    serve = Serve(plan, tmp_path / "xdg")
+    assert serve.finish() == 1
+    assert re.search(r"engine_core \(pid \d+\) exited with code 1 in start-up phase 'spawned'", serve.text)
+    assert "| loading weights" in serve.text
+
+
+def test_a_missed_ready_deadline_is_reported(child: Path, tmp_path: Path) -> None:
+    plan = make_plan(child, "hang_before_ready", [("frontend", 0), ("worker", 0)], startup_timeout_s=2.0)
+    serve = Serve(plan, tmp_path / "xdg")
+    assert serve.finish() == 1, serve.text
+    assert "worker:0" in serve.text and "sent no READY within 2 s in start-up phase 'config'" in serve.text
+
+
+def test_a_hello_with_another_protocol_version_stops_the_serve(child: Path, tmp_path: Path) -> None:
+    plan = make_plan(child, "serve", [("frontend", 0), ("worker", 0)], hello_version=99, protocol_version=7)
+    serve = Serve(plan, tmp_path / "xdg")
+    assert serve.finish() == 1, serve.text
+    assert "was stopped at HELLO: it speaks protocol version 99; the plan expects 7" in serve.text
+
+
+def test_the_plan_sets_the_protocol_version(child: Path) -> None:
+    plan = make_plan(child, "finish", [("frontend", 0), ("worker", 0)], hello_version=7, protocol_version=7)
+    assert loom_supervisor.run(plan) == 0
+
+
+def test_run_in_process_twice_and_signal_handlers_restored(child: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    for _ in range(2):
+        plan = make_plan(child, "finish", [("frontend", 0), ("worker", 0)])
+        assert loom_supervisor.run(plan) == 0
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    err = capfd.readouterr().err
+    assert err.count("finished; stopping the other processes") == 2
+
+
+def test_run_releases_the_gil(child: Path) -> None:
+    ticks = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    plan = make_plan(child, "finish", [("frontend", 0), ("worker", 0)])
+    started = time.monotonic()
+    assert loom_supervisor.run(plan) == 0
+    stop.set()
+    thread.join()
+    assert sum(1 for t in ticks if t > started) > 2
+
+
+def test_plan_errors_are_exceptions(tmp_path: Path) -> None:
+    with pytest.raises(loom_supervisor.PlanError, match=r"processes\[0\]\.role"):
+        loom_supervisor.run({"processes": [{"role": "gpu", "argv": ["x"]}]})
+    with pytest.raises(loom_supervisor.PlanError, match="msgpack"):
+        loom_supervisor.run({"processes": [], "config": object()})
+    with pytest.raises(loom_supervisor.SpawnError, match="worker:0"):
+        loom_supervisor.run({"processes": [{"role": "worker", "argv": [str(tmp_path / "missing")]}]})
+    assert issubclass(loom_supervisor.SpawnError, loom_supervisor.SupervisorError)
+
+
+def test_cli_serve_asks_python_for_the_plan(child: Path, tmp_path: Path) -> None:
+    fake = tmp_path / "fake"
+    (fake / "loom" / "entrypoints").mkdir(parents=True)
+    (fake / "loom" / "__init__.py").write_text("")
+    (fake / "loom" / "entrypoints" / "__init__.py").write_text("")
+    plan = make_plan(child, "finish", [("frontend", 0), ("worker", 0)])
+    (fake / "plan.bin").write_bytes(msgpack.packb(plan, use_bin_type=True))
+    (fake / "loom" / "entrypoints" / "plan.py").write_text(textwrap.dedent(
+        f"""
+        import sys
+        if sys.argv[1:] != ["tiny-model", "--tensor-parallel-size", "1"]:
+            print(f"error: bad arguments {{sys.argv[1:]}}", file=sys.stderr)
+            sys.exit(3)
+        sys.stdout.buffer.write(open({str(fake / "plan.bin")!r}, "rb").read())
+        """
+    ))
+    env = {**os.environ, "PYTHONPATH": str(fake), "LOOM_PYTHON": sys.executable}
+    cmd = [sys.executable, "-m", "loom_supervisor", "serve", "tiny-model"]
+    ok = subprocess.run([*cmd, "--tensor-parallel-size", "1"], env=env, capture_output=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr.decode()
+    assert b"frontend (pid " in ok.stderr and b"finished; stopping the other processes" in ok.stderr
+    bad = subprocess.run([*cmd, "--bogus"], env=env, capture_output=True, timeout=60)
+    assert bad.returncode == 3
+    assert bad.stderr.decode().strip() == "error: bad arguments ['tiny-model', '--bogus']"
+    helped = subprocess.run([sys.executable, "-m", "loom_supervisor", "--help"], capture_output=True, timeout=60)
+    assert helped.returncode == 0 and b"serve" in helped.stdout
+
+
+@pytest.mark.skipif(os.environ.get("LOOM_SKIP_WHEEL_TEST") == "1", reason="LOOM_SKIP_WHEEL_TEST=1")
+def test_wheel_provides_the_module_and_the_command(tmp_path: Path) -> None:
+    project = Path(__file__).resolve().parents[1]
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), str(project)],
+        check=True, capture_output=True, timeout=900,
+    )
+    (wheel,) = wheels.glob("loom_supervisor-*.whl")
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    probe = "import loom_supervisor, sys; print(loom_supervisor.__file__)"
+    where = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, check=True, timeout=60)
+    assert where.stdout.decode().startswith(str(target))
+    command = target / "bin" / "loom-supervisor"
+    helped = subprocess.run([str(command), "--help"], env=env, capture_output=True, timeout=60)
+    assert helped.returncode == 0, helped.stderr.decode()
+    assert b"Usage: loom-supervisor" in helped.stdout

@@ -1,0 +1,141 @@
+"""loom serve end to end: the supervisor, the engine core, workers and the OpenAI front end."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+from loom import LLM, SamplingParams
+from serve_utils import alive, get, serving
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("loom_supervisor")
+
+PROMPTS = ["Hello, my name is", "The capital of France is", "One two three"]
+
+
+@pytest.fixture(scope="module")
+def tp2_server(tiny_llama, tmp_path_factory):
+    with serving([str(tiny_llama), "--tensor-parallel-size", "2", "--max-model-len", "256"],
+                 tmp_path_factory.mktemp("tp2")) as serve:
+        yield serve
+
+
+def test_tp2_completions_chat_streaming_match_llm(tp2_server, tiny_llama):
+    client = openai.OpenAI(base_url=tp2_server.url + "/v1", api_key="none")
+    model = str(tiny_llama)
+    llm = LLM(model, max_model_len=256)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8,
+                                                                                   ignore_eos=True))]
+    for prompt, want in zip(PROMPTS, expected):
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+        assert r.usage.completion_tokens == 8
+        chunks = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    messages = [{"role": "user", "content": "Say something"}]
+    chat_want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == chat_want
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat_want
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_tour_across_processes(tp2_server, expected_platform):
+    log = tp2_server.log
+    for role in ("frontend", "engine_core", "worker:0", "worker:1"):
+        lines = [ln for ln in log.splitlines() if ln.startswith(f"[{role}]")]
+        assert any("Resolved platform" in ln for ln in lines), role
+        if expected_platform == "dummy":
+            assert any("General plugin dummy_custom_ops ran" in ln for ln in lines), role
+            assert any("Platform plugin dummy_platform_plugin is activated" in ln for ln in lines), role
+    for rank in (0, 1):
+        worker = [ln for ln in log.splitlines() if ln.startswith(f"[worker:{rank}]")]
+        assert any("Using attention backend" in ln for ln in worker)
+        if expected_platform == "dummy":
+            assert any("DummyRotaryEmbedding.forward_oot runs in pid" in ln for ln in worker)
+    assert "all 4 processes ready; serving at " + tp2_server.url in log
+
+
+def test_64_concurrent_streaming_clients(tp2_server, tiny_llama):
+    client = openai.OpenAI(base_url=tp2_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def one(i: int) -> int:
+        stream = client.completions.create(model=str(tiny_llama), prompt=f"Request {i}:", max_tokens=5 + i % 7,
+                                           stream=True, temperature=0.7, seed=i, extra_body={"ignore_eos": True},
+                                           stream_options={"include_usage": True})
+        usage = None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        counts = list(pool.map(one, range(64)))
+    assert counts == [5 + i % 7 for i in range(64)]
+    assert get(tp2_server.url + "/health")[0] == 200
+    metrics = get(tp2_server.url + "/metrics")[1]
+    assert "loom:request_success_total" in metrics
+
+
+@pytest.mark.parametrize("victim", ["engine_core", "worker:0"])
+def test_sigkill_of_a_child_stops_the_serve(tiny_llama, tmp_path, victim):
+    import os
+    import signal
+    import time
+
+    with serving([str(tiny_llama), "--max-model-len", "128"], tmp_path) as serve:
+        pids = serve.child_pids()
+        os.kill(pids[victim], signal.SIGKILL)
+        start = time.monotonic()
+        code = serve.wait(timeout=30)
+        elapsed = time.monotonic() - start
+    assert code != 0 and elapsed < 15
+    log = serve.log
+    assert f"{victim} (pid {pids[victim]}) was killed by SIGKILL in phase 'running'" in log
+    for pid in pids.values():
+        assert not alive(pid), f"pid {pid} outlived the supervisor"
+
+
+def test_sigkill_of_the_supervisor_leaves_nothing(tiny_llama, tmp_path):
+    import os
+    import signal
+    import time
+
+    with serving([str(tiny_llama), "--max-model-len", "128"], tmp_path) as serve:
+        pids = serve.child_pids()
+        os.kill(serve.proc.pid, signal.SIGKILL)
+        serve.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert not [p for p in pids.values() if alive(p)]
+
+
+def test_sigterm_during_load_finishes_requests_and_exits_0(tiny_llama, tmp_path):
+    import os
+    import signal
+    import time
+
+    with serving([str(tiny_llama), "--max-model-len", "256", "--grace-period", "30"], tmp_path) as serve:
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        def one(i: int) -> str:
+            r = client.completions.create(model=str(tiny_llama), prompt=f"Item {i}", max_tokens=200,
+                                          extra_body={"ignore_eos": True})
+            return r.choices[0].finish_reason
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(one, i) for i in range(8)]
+            time.sleep(0.5)
+            os.kill(serve.proc.pid, signal.SIGTERM)
+            reasons = [f.result() for f in futures]
+        code = serve.wait(timeout=40)
+    assert reasons == ["length"] * 8
+    assert code == 0, serve.log[-3000:]
+    assert "all 3 processes stopped" in serve.log
