@@ -52,7 +52,8 @@ def lint(session: nox.Session) -> None:
 def rust(session: nox.Session) -> None:
     _build_deps(session)
     session.run("cargo", "test", "-j", "2", "--manifest-path", "supervisor-rs/Cargo.toml", external=True)
-    session.install("pytest>=8", "pytest-timeout", "./supervisor-rs")
+    # pip: the wheel test builds the wheel as an operator would, with `pip wheel`
+    session.install("pytest>=8", "pytest-timeout", "pip", "./supervisor-rs")
     session.run("pytest", "-q", "supervisor-rs/tests", *session.posargs)
 
 

@@ -1,0 +1,134 @@
+"""Load a ``loom serve`` with the official OpenAI client and print throughput and latency.
+
+    python bench/serve_throughput.py --model default --num-prompts 64 --input-len 128 --output-len 64
+    python bench/serve_throughput.py --url http://127.0.0.1:8000 --served-model-name M ...
+    python bench/serve_throughput.py --model opt-2m --request-rate 20 --compare-offline
+
+Prompts are random token ids (fixed seed), sent as token-id prompts so every request has
+exactly ``--input-len`` prompt tokens; EOS is ignored so each makes ``--output-len``.
+``--request-rate inf`` (default) sends everything at once; otherwise Poisson arrivals.
+``--compare-offline`` also runs the same workload through ``loom.LLM`` in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _serve import start, stop, wait_healthy  # noqa: E402
+from offline_throughput import SHAPES, build_random_opt, run_loom, workload  # noqa: E402
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
+async def run_load(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
+                   seed: int) -> dict[str, float]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=3600)
+    rng = random.Random(seed)
+    ttft: list[float] = []
+    tpot: list[float] = []
+    e2e: list[float] = []
+    tokens = 0
+
+    async def one(prompt: list[int]) -> None:
+        nonlocal tokens
+        start = time.perf_counter()
+        first = None
+        n = 0
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                n += 1
+                if first is None:
+                    first = time.perf_counter()
+            if chunk.usage is not None:
+                tokens += chunk.usage.completion_tokens
+        end = time.perf_counter()
+        if first is not None:
+            ttft.append(first - start)
+            if n > 1:
+                tpot.append((end - first) / (n - 1))
+        e2e.append(end - start)
+
+    begin = time.perf_counter()
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(one(prompt)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - begin
+    return {
+        "elapsed": elapsed, "req_s": len(prompts) / elapsed, "tok_s": tokens / elapsed,
+        "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
+        "e2e_p50": pct(e2e, 50), "e2e_p99": pct(e2e, 99), "tokens": tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default=None, help="an already running server; else one is launched")
+    parser.add_argument("--model", default="default", help="default, opt-125m, opt-2m, or a model path")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--compare-offline", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as root:
+        if args.model in SHAPES:
+            model_path: str | None = build_random_opt(args.model, root)
+        elif args.model == "default":
+            model_path = None
+        else:
+            model_path = args.model
+        vocab = 49152 if model_path is None else 50272
+        prompts = workload(args.num_prompts, args.input_len, vocab, args.seed)
+        served = args.served_model_name or (model_path or "SmolLM2-135M-Instruct")
+        proc = None
+        url = args.url
+        if url is None:
+            serve_args = ([model_path] if model_path else []) + [
+                "--dtype", args.dtype, "-tp", str(args.tp),
+                "--max-model-len", str(max(512, args.input_len + args.output_len))]
+            proc, url, _ = start(serve_args, os.path.join(root, "serve.log"))
+            wait_healthy(proc, url)
+        try:
+            asyncio.run(run_load(url, served, prompts[:2], 2, float("inf"), args.seed))  # warm-up
+            r = asyncio.run(run_load(url, served, prompts, args.output_len, args.request_rate, args.seed))
+        finally:
+            if proc is not None:
+                stop(proc)
+        print(f"workload: {args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
+              f"rate {args.request_rate}, TP {args.tp}, {args.dtype}")
+        print(f"serve: {r['req_s']:.2f} req/s, {r['tok_s']:,.0f} output tok/s in {r['elapsed']:.1f} s")
+        print(f"TTFT p50 {r['ttft_p50'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms; "
+              f"TPOT p50 {r['tpot_p50'] * 1e3:.1f} ms, p99 {r['tpot_p99'] * 1e3:.1f} ms; "
+              f"e2e p50 {r['e2e_p50']:.2f} s, p99 {r['e2e_p99']:.2f} s")
+        if args.compare_offline:
+            elapsed, tokens = run_loom(model_path, prompts, args.output_len, args.dtype)
+            offline = tokens / elapsed
+            print(f"offline loom.LLM: {offline:,.0f} output tok/s; serve / offline = {r['tok_s'] / offline:.2f}")
+
+
+if __name__ == "__main__":
+    main()
