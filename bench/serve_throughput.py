@@ -112,9 +112,12 @@ def main() -> None:
                 "--max-model-len", str(max(512, args.input_len + args.output_len))]
             proc, url, _ = start(serve_args, os.path.join(root, "serve.log"))
             wait_healthy(proc, url)
+        async def warm_then_measure() -> dict[str, float]:
+            await run_load(url, served, prompts[:2], 2, float("inf"), args.seed)  # warm-up
+            return await run_load(url, served, prompts, args.output_len, args.request_rate, args.seed)
+
         try:
-            asyncio.run(run_load(url, served, prompts[:2], 2, float("inf"), args.seed))  # warm-up
-            r = asyncio.run(run_load(url, served, prompts, args.output_len, args.request_rate, args.seed))
+            r = asyncio.run(warm_then_measure())
         finally:
             if proc is not None:
                 stop(proc)

@@ -139,3 +139,32 @@ def test_sigterm_during_load_finishes_requests_and_exits_0(tiny_llama, tmp_path)
     assert reasons == ["length"] * 8
     assert code == 0, serve.log[-3000:]
     assert "all 3 processes stopped" in serve.log
+
+
+def test_supervisor_command_serves_the_same_plan(tiny_llama, tmp_path):
+    """``loom-supervisor serve MODEL ...`` asks Python for the plan, then supervises it."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from serve_utils import Serve, free_port, wait_ready
+
+    exe = shutil.which("loom-supervisor", path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    assert exe, "the loom-supervisor command is not installed"
+    port = free_port()
+    log_path = tmp_path / "supervisor.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([exe, "serve", str(tiny_llama), "--max-model-len", "128", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    serve = Serve(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        wait_ready(serve)
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="none")
+        r = client.completions.create(model=str(tiny_llama), prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    assert code == 0, serve.log[-2000:]

@@ -79,3 +79,11 @@ def test_platform_hook_raising_in_a_worker(tiny_llama, tmp_path):
     out = proc.stderr + proc.stdout
     assert proc.returncode != 0
     assert "worker:0 (pid" in out and "kernel override table is corrupt" in out
+
+
+def test_tensor_parallel_size_that_does_not_divide_the_heads(tiny_llama):
+    proc = run_serve([str(tiny_llama), "--tensor-parallel-size", "3"])
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("loom: error: the model has 4 attention heads, which --tensor-parallel-size 3")
+    assert "loom-supervisor" not in proc.stderr

@@ -44,6 +44,7 @@ class LoomConfig:
                 f"platform {type(current_platform).__name__} did not set worker_cls in "
                 "check_and_update_config; it must name its worker class"
             )
+        self._verify_tensor_parallel()
         max_len = self.model_config.max_model_len
         sched = self.scheduler_config
         if not sched.enable_chunked_prefill and sched.max_num_batched_tokens < max_len:
@@ -51,6 +52,27 @@ class LoomConfig:
                 f"--max-num-batched-tokens ({sched.max_num_batched_tokens}) is below --max-model-len "
                 f"({max_len}) with chunked prefill off; raise it or enable chunked prefill"
             )
+        self._log()
+
+    def _verify_tensor_parallel(self) -> None:
+        """Catch a tensor-parallel size the model cannot be split by, before anything starts."""
+        tp = self.parallel_config.tensor_parallel_size
+        heads = self.model_config.get_num_attention_heads()
+        kv_heads = self.model_config.get_num_kv_heads()
+        if heads % tp:
+            raise ValueError(
+                f"the model has {heads} attention heads, which --tensor-parallel-size {tp} does not divide; "
+                f"choose a size that divides {heads}"
+            )
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(
+                f"the model has {kv_heads} KV heads: --tensor-parallel-size {tp} must divide it or be a multiple of it"
+            )
+        if not self.model_config.model_info.supports_tensor_parallel and tp > 1:
+            raise ValueError(f"{self.model_config.architecture} does not support tensor parallelism; use size 1")
+
+    def _log(self) -> None:
+        max_len = self.model_config.max_model_len
         logger.info(
             "Config: model=%s arch=%s dtype=%s max_model_len=%d tp=%d block_size=%d custom_ops=%s worker_cls=%s",
             self.model_config.model_path, self.model_config.architecture, self.model_config.dtype,
