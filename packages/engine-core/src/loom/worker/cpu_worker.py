@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from loom_plugin_api import WorkerBase
 
@@ -15,10 +17,24 @@ logger = init_logger(__name__)
 _GiB = 1 << 30
 
 
+def _keep_large_allocations_in_the_heap() -> None:
+    """glibc serves allocations above its mmap threshold with fresh mappings, so every
+    step's activations (several MB each) page-fault again. Keep up to 32 MB (glibc's
+    maximum) in the heap, and do not trim it back after each step."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 class CPUWorker(WorkerBase):
     model_runner: ModelRunner
 
     def init_device(self) -> None:
+        _keep_large_allocations_in_the_heap()
         self.device = torch.device(current_platform.device_type)
         current_platform.set_device(self.device)
         current_platform.seed_everything(self.config.model_config.seed)

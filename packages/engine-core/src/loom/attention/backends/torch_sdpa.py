@@ -37,6 +37,30 @@ class _Plan:
     prefills: list[_PrefillItem]
 
 
+# Gathered K/V of a step are tens of MB: a fresh allocation of that size is an mmap whose
+# page faults cost more than the copy itself. Layers run one after another, so one pair of
+# buffers, grown when needed, serves every layer of every step.
+_workspace: dict[tuple[torch.dtype, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at ``slots`` (any shape S), as views (*S, Hk, D) into the shared workspace."""
+    _, hk, d = k_cache.shape
+    n = slots.numel()
+    key = (k_cache.dtype, hk, d)
+    bufs = _workspace.get(key)
+    if bufs is None or bufs[0].shape[0] < n:
+        size = max(n, 2 * bufs[0].shape[0]) if bufs is not None else n
+        bufs = (k_cache.new_empty(size, hk, d), v_cache.new_empty(size, hk, d))
+        _workspace[key] = bufs
+    flat = slots.reshape(-1)
+    k = torch.index_select(k_cache, 0, flat, out=bufs[0][:n])
+    v = torch.index_select(v_cache, 0, flat, out=bufs[1][:n])
+    return k.view(*slots.shape, hk, d), v.view(*slots.shape, hk, d)
+
+
 def _context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     pos = torch.arange(length)
     return block_table[pos // block_size] * block_size + pos % block_size
@@ -112,8 +136,8 @@ class TorchSDPAImpl(AttentionImpl):
             Bd = d.token_idx.shape[0]
             # Fold the query heads of a KV group into the query-length axis: (Bd, Hk, g, D).
             qd = q[d.token_idx].view(Bd, Hk, g, D)
-            kd = k_cache[d.slots].transpose(1, 2)  # (Bd, Hk, ctx, D)
-            vd = v_cache[d.slots].transpose(1, 2)
+            kd, vd = _gather_kv(k_cache, v_cache, d.slots)  # (Bd, ctx, Hk, D)
+            kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # (Bd, Hk, ctx, D)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
             out[d.token_idx] = od.reshape(Bd, H, D)
         for p in plan.prefills:
@@ -122,8 +146,8 @@ class TorchSDPAImpl(AttentionImpl):
                 kp = key[p.start:p.end].view(-1, Hk, D).transpose(0, 1)  # (Hk, ctx, D)
                 vp = value[p.start:p.end].view(-1, Hk, D).transpose(0, 1)
             else:
-                kp = k_cache[p.slots].transpose(0, 1)
-                vp = v_cache[p.slots].transpose(0, 1)
+                kp, vp = _gather_kv(k_cache, v_cache, p.slots)  # (ctx, Hk, D)
+                kp, vp = kp.transpose(0, 1), vp.transpose(0, 1)
             if g > 1:
                 kp = kp.repeat_interleave(g, dim=0)
                 vp = vp.repeat_interleave(g, dim=0)
