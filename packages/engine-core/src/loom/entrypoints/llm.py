@@ -34,11 +34,30 @@ class LLM:
 
         self.config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.tokenizer = get_tokenizer(self.config.model_config)
-        executor = UniProcExecutor(self.config)
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            # One worker process per rank, under the same supervisor as `loom serve`.
+            from ..engine.supervised import SupervisedExecutor
+
+            executor: Any = SupervisedExecutor(self.config)
+        else:
+            executor = UniProcExecutor(self.config)
         self.llm_engine = LLMEngine(self.config, executor, self.tokenizer)
         self._ids = itertools.count()
         envs.enable_envs_cache()
         logger.info("LLM is ready: %s", self.config.model_config.served_model_name)
+
+    def shutdown(self) -> None:
+        """Stop the engine and its worker processes (also done when the LLM is collected)."""
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.llm_engine = None  # type: ignore[assignment]
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

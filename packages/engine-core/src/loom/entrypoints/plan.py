@@ -39,6 +39,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
 
 
+def worker_env(env: dict[str, str], tp: int) -> dict[str, str]:
+    """The workers' environment: a rendezvous address for torch.distributed, and a share of
+    the cores each, so that ranks do not oversubscribe them."""
+    wenv = dict(env, LOOM_DIST_INIT_METHOD=f"tcp://127.0.0.1:{_free_port()}")
+    if tp > 1:
+        per_rank = max(1, (os.cpu_count() or 1) // tp)
+        wenv.setdefault("LOOM_CPU_NUM_THREADS", str(per_rank))
+        wenv.setdefault("OMP_NUM_THREADS", str(per_rank))
+    return wenv
+
+
 def build_plan(config: LoomConfig, args: argparse.Namespace) -> dict[str, Any]:
     python = sys.executable
     env = dict(os.environ)
@@ -47,13 +58,8 @@ def build_plan(config: LoomConfig, args: argparse.Namespace) -> dict[str, Any]:
     frontend_env = dict(env)
     if args.api_key:
         frontend_env["LOOM_API_KEY"] = args.api_key  # not on the command line, where ps shows it
-    worker_env = dict(env, LOOM_DIST_INIT_METHOD=f"tcp://127.0.0.1:{_free_port()}")
     tp = config.parallel_config.tensor_parallel_size
-    if tp > 1:
-        # Ranks share the cores: keep each from oversubscribing them.
-        per_rank = max(1, (os.cpu_count() or 1) // tp)
-        worker_env.setdefault("LOOM_CPU_NUM_THREADS", str(per_rank))
-        worker_env.setdefault("OMP_NUM_THREADS", str(per_rank))
+    wenv = worker_env(env, tp)
     processes = [
         {"role": "frontend", "rank": 0, "env": frontend_env,
          "argv": [python, "-m", "loom.entrypoints.frontend", "--host", args.host, "--port", str(args.port),
@@ -61,7 +67,7 @@ def build_plan(config: LoomConfig, args: argparse.Namespace) -> dict[str, Any]:
         {"role": "engine_core", "rank": 0, "env": env, "argv": [python, "-m", "loom.engine.core_proc"]},
     ]
     for rank in range(tp):
-        processes.append({"role": "worker", "rank": rank, "env": worker_env,
+        processes.append({"role": "worker", "rank": rank, "env": wenv,
                           "argv": [python, "-m", "loom.worker.proc", "--rank", str(rank)]})
     host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     return {
