@@ -10,6 +10,7 @@ flight ends with :class:`EngineDeadError` naming the process and the cause, and
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
@@ -117,7 +118,7 @@ class CoreClient(EngineClient):
 
     async def shutdown(self) -> None:
         self._stopping = True
-        self._fail_all("the server is shutting down", only_if_alive=True)
+        self._fail_all("the server is shutting down", only_if_alive=True, level=logging.INFO)
 
     # ---- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:
@@ -168,13 +169,13 @@ class CoreClient(EngineClient):
         for stream, item in items:
             self._put(stream, item)
 
-    def _fail_all(self, message: str, only_if_alive: bool = False) -> None:
+    def _fail_all(self, message: str, only_if_alive: bool = False, level: int = logging.ERROR) -> None:
         with self._lock:
             if only_if_alive and self._dead_error is not None:
                 return
             if self._dead_error is None:
                 self._dead_error = message
-                logger.error("Engine unavailable: %s", message)
+                logger.log(level, "Engine unavailable: %s", message)
             streams, self._streams = self._streams, {}
         for stream in streams.values():
             self._put(stream, EngineDeadError(self._dead_error))
