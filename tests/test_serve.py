@@ -89,13 +89,35 @@ def test_sigkill_of_a_child_stops_the_serve(tiny_llama, tmp_path, victim):
     import signal
     import time
 
-    with serving([str(tiny_llama), "--max-model-len", "128"], tmp_path) as serve:
+    import threading
+
+    import httpx
+
+    events: list[str] = []
+    with serving([str(tiny_llama), "--max-model-len", "512"], tmp_path) as serve:
         pids = serve.child_pids()
+        streaming = threading.Event()
+
+        def stream() -> None:
+            body = {"model": str(tiny_llama), "prompt": "Hi", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", serve.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+                        streaming.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert streaming.wait(30)
         os.kill(pids[victim], signal.SIGKILL)
         start = time.monotonic()
         code = serve.wait(timeout=30)
         elapsed = time.monotonic() - start
+        reader.join(30)
     assert code != 0 and elapsed < 15
+    # the request in flight ended with an error that names the dead process and the cause
+    errors = [e for e in events if '"error"' in e]
+    assert errors and f"{victim} (pid {pids[victim]}) died with signal SIGKILL" in errors[0], events[-3:]
     log = serve.log
     assert f"{victim} (pid {pids[victim]}) was killed by SIGKILL in phase 'running'" in log
     for pid in pids.values():
