@@ -87,9 +87,8 @@ def test_64_concurrent_streaming_clients(tp2_server, tiny_llama):
 def test_sigkill_of_a_child_stops_the_serve(tiny_llama, tmp_path, victim):
     import os
     import signal
-    import time
-
     import threading
+    import time
 
     import httpx
 
