@@ -87,6 +87,28 @@ class EngineClient(abc.ABC):
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of one request (see the module docstring for the contract)."""
 
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a request's deltas from its queue until finished; an exception put on the
+        queue ends the stream with it. Leaving early aborts the request."""
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine has already dropped the request
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._abort(request_id, end_stream=False)
+
+    def _abort(self, request_id: str, *, end_stream: bool) -> None:
+        """Drop the request's stream and tell the engine; ``end_stream`` ends it with a final output."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown or finished ids are ignored."""
@@ -195,18 +217,8 @@ class InprocAsyncLLM(EngineClient):
             self._streams[request_id] = stream
             self._commands.append(_Add(request_id, prompt, prompt_token_ids, sampling_params))
             self._cond.notify()
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine has already dropped the request
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self._abort(request_id, end_stream=False)
+        async for item in self._stream(request_id, stream.queue):
+            yield item
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id, end_stream=True)

@@ -13,7 +13,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
 from typing import Any
 
 from ..config import LoomConfig
@@ -86,18 +85,8 @@ class CoreClient(EngineClient):
             request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params, stream=True,
         ))
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self._abort(request_id, end_stream=False)
+        async for item in self._stream(request_id, queue):
+            yield item
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id, end_stream=True)
@@ -146,7 +135,7 @@ class CoreClient(EngineClient):
 
     def _deliver(self, body: m.EngineOutputs) -> None:
         if body.stats is not None:
-            self._stats = EngineStats(**asdict(body.stats))
+            self._stats = body.stats
             for stat_logger in list(self.stat_loggers):
                 try:
                     stat_logger.record(self._stats)

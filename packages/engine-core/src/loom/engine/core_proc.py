@@ -75,12 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         now = time.monotonic()
         stats = None
         if now - last_stats > _STATS_INTERVAL_S or not engine.has_unfinished_requests():
-            s = engine.get_stats()
-            stats = m.StatsSnapshot(
-                num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
-                prefix_cache_hit_rate=s.prefix_cache_hit_rate, num_prompt_tokens=s.num_prompt_tokens,
-                num_generation_tokens=s.num_generation_tokens, num_preemptions=s.num_preemptions,
-            )
+            stats = engine.get_stats()
             last_stats = now
         if outputs or errors or (stats is not None and messages):
             channel.send("frontend", m.OUTPUTS, m.EngineOutputs(outputs=outputs, errors=errors, stats=stats))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine.llm_engine import EngineStats
 from ..engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -67,21 +68,10 @@ class RequestError:
 
 
 @dataclass(slots=True, kw_only=True)
-class StatsSnapshot:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_preemptions: int
-
-
-@dataclass(slots=True, kw_only=True)
 class EngineOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
-    stats: StatsSnapshot | None = None
+    stats: EngineStats | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -125,7 +115,7 @@ BODY_TYPES: dict[str, type] = {
 
 __all__ = [
     "BODY_TYPES", "PROTOCOL_VERSION", "AbortRequests", "AddRequest", "EngineOutputs", "EngineReady",
-    "InitCache", "RequestError", "StatsSnapshot", "StepError", "WorkerInfo", "decode", "decode_body",
+    "InitCache", "RequestError", "StepError", "WorkerInfo", "decode", "decode_body",
     "encode",
 ]
 
