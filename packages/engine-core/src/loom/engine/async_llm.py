@@ -106,12 +106,13 @@ class EngineClient(abc.ABC):
                 self._abort(request_id, end_stream=False)
 
     def _abort(self, request_id: str, *, end_stream: bool) -> None:
-        """Drop the request's stream and tell the engine; ``end_stream`` ends it with a final output."""
+        """Drop the request's stream and tell the engine; ``end_stream`` ends it with a final output.
+        Implementations that use ``_stream``/``abort`` as given provide it."""
         raise NotImplementedError
 
-    @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks; unknown or finished ids are ignored."""
+        self._abort(request_id, end_stream=True)
 
     @abc.abstractmethod
     def get_stats(self) -> EngineStats | None:
@@ -219,9 +220,6 @@ class InprocAsyncLLM(EngineClient):
             self._cond.notify()
         async for item in self._stream(request_id, stream.queue):
             yield item
-
-    async def abort(self, request_id: str) -> None:
-        self._abort(request_id, end_stream=True)
 
     def _abort(self, request_id: str, *, end_stream: bool) -> None:
         with self._cond:

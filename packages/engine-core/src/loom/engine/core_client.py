@@ -88,9 +88,6 @@ class CoreClient(EngineClient):
         async for item in self._stream(request_id, queue):
             yield item
 
-    async def abort(self, request_id: str) -> None:
-        self._abort(request_id, end_stream=True)
-
     def _abort(self, request_id: str, *, end_stream: bool) -> None:
         with self._lock:
             stream = self._streams.pop(request_id, None)

@@ -21,9 +21,6 @@ _STATS_INTERVAL_S = 0.5
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..ipc.channel import ignore_terminal_interrupts
-
-    ignore_terminal_interrupts()
     from ..platforms import current_platform  # noqa: F401 - resolved first, in every process
 
     load_general_plugins()

@@ -19,10 +19,8 @@ import threading
 def main() -> int:
     from loom_supervisor import client
 
-    from ..ipc.channel import ignore_terminal_interrupts
     from ..ipc.messages import PROTOCOL_VERSION
 
-    ignore_terminal_interrupts()
     llm = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     llm.connect(os.environ["LOOM_BRIDGE_SOCKET"])
     conn = client.connect(role="engine_core", rank=0)

@@ -28,9 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--grace-period", type=float, default=10.0)
     args = parser.parse_args(argv)
-    from ..ipc.channel import ignore_terminal_interrupts
-
-    ignore_terminal_interrupts()
 
     from ..platforms import current_platform  # noqa: F401 - resolved first, in every process
 

@@ -26,14 +26,6 @@ class Message:
     body: Any
 
 
-def ignore_terminal_interrupts() -> None:
-    """Children share the supervisor's process group, so a Ctrl-C in the terminal reaches
-    them too; the supervisor coordinates the drain (SHUTDOWN, then SIGTERM), so they ignore it."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def role_name(role: str, rank: int | None) -> str:
     return f"worker:{rank}" if role == "worker" else role
 

@@ -25,9 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loom.worker.proc")
     parser.add_argument("--rank", type=int, required=True)
     rank = parser.parse_args(argv).rank
-    from ..ipc.channel import ignore_terminal_interrupts
-
-    ignore_terminal_interrupts()
 
     from ..platforms import current_platform
 
