@@ -62,6 +62,21 @@ def test_tour_across_processes(tp2_server, expected_platform):
     assert "all 4 processes ready; serving at " + tp2_server.url in log
 
 
+def _loads_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+def test_only_the_workers_load_torch(tp2_server, expected_platform):
+    """The front end and the engine core never compute: they start without torch (seconds
+    and ~250 MB each). A platform's general plugin may import it, as the dummy one does."""
+    pids = tp2_server.child_pids()
+    assert _loads_torch(pids["worker:0"]) and _loads_torch(pids["worker:1"])
+    if expected_platform == "cpu":
+        assert not _loads_torch(pids["frontend"])
+        assert not _loads_torch(pids["engine_core"])
+
+
 def test_64_concurrent_streaming_clients(tp2_server, tiny_llama):
     client = openai.OpenAI(base_url=tp2_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
 

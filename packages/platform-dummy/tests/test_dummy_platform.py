@@ -24,7 +24,7 @@ def test_check_and_update_config_sets_ops_and_worker():
     config = SimpleNamespace(
         compilation_config=SimpleNamespace(custom_ops=["none"]),
         parallel_config=SimpleNamespace(worker_cls="auto"),
-        model_config=SimpleNamespace(dtype=torch.float32),
+        model_config=SimpleNamespace(dtype="float32"),
     )
     DummyPlatform.check_and_update_config(config)
     assert config.compilation_config.custom_ops == ["all"]

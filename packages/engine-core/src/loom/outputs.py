@@ -48,3 +48,29 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (of the first completion)."""
+
+
+def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One delta that says what ``first`` and then ``then`` say (same request, in order).
+
+    A stream whose reader fell behind takes every delta waiting for it as one: under load
+    the front end then sends one event per request per read instead of one per token.
+    """
+    merged = {c.index: c for c in first.outputs}
+    for c in then.outputs:
+        old = merged.get(c.index)
+        if old is None:
+            merged[c.index] = c
+            continue
+        logprobs = old.logprobs
+        if c.logprobs is not None:
+            logprobs = (logprobs or []) + c.logprobs
+        merged[c.index] = CompletionOutput(
+            index=c.index, text=old.text + c.text, token_ids=[*old.token_ids, *c.token_ids],
+            cumulative_logprob=c.cumulative_logprob, logprobs=logprobs,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        )
+    return RequestOutput(
+        request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+        outputs=list(merged.values()), finished=then.finished, num_cached_tokens=first.num_cached_tokens,
+    )

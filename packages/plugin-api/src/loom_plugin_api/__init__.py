@@ -7,6 +7,8 @@ process, how often, and what it may change.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._groups import (
     ENDPOINT_PLUGINS_GROUP,
     GENERAL_PLUGINS_GROUP,
@@ -16,12 +18,31 @@ from ._groups import (
 from ._qualname import resolve_obj_by_qualname
 from .attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionSelectorConfig
 from .context import get_current_config, get_current_platform, set_current_config
-from .custom_op import CustomOp
 from .errors import CustomOpError, ModelRegistryError, PlatformError, PluginError
 from .loader import load_general_plugins, load_plugins_by_group, plugin_records
 from .model_registry import ModelInfo, ModelRegistry
 from .platform import Platform, PlatformEnum
 from .worker import WorkerBase
+
+if TYPE_CHECKING:
+    from .custom_op import CustomOp
+
+# Only ``CustomOp`` (a ``torch.nn.Module``) needs torch; it loads on first use. The front
+# end and the engine core never compute, and importing torch would cost each of them
+# seconds of start-up and about 250 MB.
+_LAZY = {"CustomOp": "custom_op"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loom_plugin_api' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "1.0.0"
 

@@ -3,23 +3,33 @@
 * ``register_model("MyOPT", MyOPT)`` (eager): the class is inspected now and its
   ``ModelInfo`` kept; later look-ups cost nothing.
 * ``register_model("MyLlama", "my_pkg.my_llama:MyLlama")`` (lazy): nothing is imported
-  until the architecture is inspected or resolved, so processes that never build that
-  model never pay for its import.
+  until the architecture is resolved, so processes that never build that model never pay
+  for its import (nor for torch's). Inspecting a lazy entry imports the class in a
+  short-lived subprocess and caches its ``ModelInfo`` under ``$LOOM_CACHE_DIR/modelinfos``,
+  keyed by the module file's path, size and mtime; a later start reads the cache.
 
 Registrations happen in general plugins, which run once in every process.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.util
+import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from ._qualname import resolve_obj_by_qualname
 from .errors import ModelRegistryError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 logger = logging.getLogger("loom.model_registry")
 
@@ -38,6 +48,8 @@ class ModelInfo:
 
     @classmethod
     def from_model_cls(cls, architecture: str, model_cls: type[nn.Module]) -> ModelInfo:
+        import torch.nn as nn
+
         if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
             raise ModelRegistryError(
                 f"model class for {architecture!r} must be a torch.nn.Module subclass, "
@@ -83,9 +95,67 @@ class _LazyRegisteredModel:
 
     def inspect(self) -> ModelInfo:
         if self._info is None:
-            self.load_model_cls()
+            if self.module_name in sys.modules:
+                self.load_model_cls()
+            else:
+                self._info = _inspect_out_of_process(self)
         assert self._info is not None
         return self._info
+
+
+# Run by ``python -c`` with (module, class, architecture) as arguments.
+_INSPECT_SCRIPT = """
+import dataclasses, json, sys
+from loom_plugin_api._qualname import resolve_obj_by_qualname
+from loom_plugin_api.model_registry import ModelInfo
+module, cls, arch = sys.argv[1:4]
+info = ModelInfo.from_model_cls(arch, resolve_obj_by_qualname(module + ":" + cls))
+print(json.dumps(dataclasses.asdict(info)))
+"""
+
+
+def _cache_path(entry: _LazyRegisteredModel) -> str | None:
+    """Where the entry's ``ModelInfo`` is cached; None when its module file is not found."""
+    try:
+        spec = importlib.util.find_spec(entry.module_name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None
+    st = os.stat(spec.origin)
+    key = f"{entry.architecture}|{entry.module_name}:{entry.class_name}|{spec.origin}|{st.st_size}|{st.st_mtime_ns}"
+    root = os.environ.get("LOOM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "loom")
+    return os.path.join(root, "modelinfos", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def _inspect_out_of_process(entry: _LazyRegisteredModel) -> ModelInfo:
+    """``ModelInfo`` of a lazy entry without importing its module (and torch) here."""
+    path = _cache_path(entry)
+    if path is not None and os.path.isfile(path):
+        try:
+            with open(path) as f:
+                return ModelInfo(**json.load(f))
+        except (OSError, ValueError, TypeError):
+            pass  # unreadable or from another version: inspect again
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    argv = [sys.executable, "-c", _INSPECT_SCRIPT, entry.module_name, entry.class_name, entry.architecture]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        # Import it here after all, so that the caller sees the real error.
+        entry.load_model_cls()
+        assert entry._info is not None
+        return entry._info
+    info = ModelInfo(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(dataclasses.asdict(info), f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.debug("Cannot cache the model info of %s: %s", entry.architecture, e)
+    return info
 
 
 class _ModelRegistry:
@@ -145,8 +215,8 @@ class _ModelRegistry:
     ) -> tuple[ModelInfo, str]:
         """Return ``(model_info, arch)`` for the first registered architecture.
 
-        Eager entries answer from what registration computed; lazy ones import their
-        module now (once).
+        Eager entries answer from what registration computed; lazy ones from the cache or a
+        subprocess that imports the class (or from the class, once it is imported here).
         """
         arch = self._first_known(architectures)
         return self.models[arch].inspect(), arch

@@ -16,9 +16,10 @@ import argparse
 import enum
 import os
 import random
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Platform", "PlatformEnum"]
 
@@ -40,9 +41,9 @@ class Platform:
     dispatch_key: ClassVar[str] = "CPU"
     dist_backend: ClassVar[str] = "gloo"
     """``torch.distributed`` backend for tensor-parallel collectives."""
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
-        torch.float32, torch.bfloat16, torch.float16,
-    )
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    """Model dtypes the platform computes in, by torch name (names, not ``torch.dtype``s,
+    so that processes which never compute need not import torch)."""
 
     # ---- identity -------------------------------------------------------------------
     def is_cpu(self) -> bool:
@@ -156,6 +157,8 @@ class Platform:
         """Seed every random generator this platform's computation uses."""
         if seed is None:
             return
+        import torch
+
         random.seed(seed)
         torch.manual_seed(seed)
         try:

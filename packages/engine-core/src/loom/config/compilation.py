@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loom_plugin_api.custom_op import resolve_custom_ops
+from loom_plugin_api.switches import resolve_custom_ops
 
 
 @dataclass(slots=True, kw_only=True)

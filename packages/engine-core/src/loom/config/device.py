@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True, kw_only=True)
@@ -17,4 +19,6 @@ class DeviceConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device_type)

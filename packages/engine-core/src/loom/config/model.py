@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from loom_plugin_api import ModelInfo, ModelRegistry, ModelRegistryError
 from loom_plugin_api.loader import plugin_records
 
 from ..logger import init_logger
 from ..transformers_utils.config import get_hf_config, resolve_model_path
 
+if TYPE_CHECKING:
+    import torch
+
 logger = init_logger(__name__)
 
+# Accepted spellings -> torch's name. The config keeps the name: the processes of a serve
+# that never compute read it without importing torch.
 _DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
 }
 
 
@@ -27,6 +31,7 @@ class ModelConfig:
     """A directory of HF-format safetensors, a .gguf file, or None for the embedded default."""
     tokenizer: str | None = None
     dtype: str | torch.dtype = "auto"
+    """``auto``, a dtype name or a ``torch.dtype``; resolved to a name (``float32``, ...)."""
     max_model_len: int | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int | None = 0
@@ -74,17 +79,22 @@ class ModelConfig:
         elif self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
 
-    def _resolve_dtype(self, dtype: str | torch.dtype) -> torch.dtype:
-        if isinstance(dtype, torch.dtype):
-            return dtype
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype`` (imports torch; for the processes that compute)."""
+        import torch
+
+        return getattr(torch, str(self.dtype))
+
+    def _resolve_dtype(self, dtype: Any) -> str:
+        if not isinstance(dtype, str):  # a torch.dtype, e.g. LLM(dtype=torch.bfloat16)
+            dtype = str(dtype).removeprefix("torch.")
         if dtype == "auto":
-            config_dtype = getattr(self.hf_config, "dtype", None)
-            if isinstance(config_dtype, str):
-                config_dtype = _DTYPES.get(config_dtype)
+            config_dtype = _DTYPES.get(str(getattr(self.hf_config, "dtype", None)).removeprefix("torch."))
             # Half precision on CPU is slow and lossy; quantized GGUF weights dequantize to fp32.
-            if config_dtype in (torch.float32, torch.bfloat16) and self.model_format != "gguf":
+            if config_dtype in ("float32", "bfloat16") and self.model_format != "gguf":
                 return config_dtype
-            return torch.float32
+            return "float32"
         if dtype not in _DTYPES:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
         return _DTYPES[dtype]

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..logger import init_logger
 from ..metrics import load_stat_loggers
-from ..outputs import RequestOutput
+from ..outputs import RequestOutput, merge_deltas
 from ..sampling_params import SamplingParams
 from .llm_engine import EngineStats, EngineStepError, LLMEngine
 
@@ -91,14 +91,26 @@ class EngineClient(abc.ABC):
         self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
     ) -> AsyncIterator[RequestOutput]:
         """Yield a request's deltas from its queue until finished; an exception put on the
-        queue ends the stream with it. Leaving early aborts the request."""
+        queue ends the stream with it. Leaving early aborts the request.
+
+        Deltas that queued up while the reader was busy are yielded as one (``merge_deltas``),
+        so a loaded front end sends fewer, larger events instead of falling further behind.
+        """
         finished = False
+        pending: RequestOutput | BaseException | None = None
         try:
             while not finished:
-                item = await queue.get()
+                item = pending if pending is not None else await queue.get()
+                pending = None
                 if isinstance(item, BaseException):
                     finished = True  # the engine has already dropped the request
                     raise item
+                while not item.finished and not queue.empty():
+                    more = queue.get_nowait()
+                    if isinstance(more, BaseException):
+                        pending = more
+                        break
+                    item = merge_deltas(item, more)
                 finished = item.finished
                 yield item
         finally:

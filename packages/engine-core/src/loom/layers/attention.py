@@ -28,7 +28,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         config = get_current_config()
-        dtype = config.model_config.dtype if config is not None else torch.get_default_dtype()
+        dtype = config.model_config.torch_dtype if config is not None else torch.get_default_dtype()
         block_size = config.cache_config.block_size if config is not None else None
         self.num_heads = num_heads
         self.head_size = head_size

@@ -3,44 +3,29 @@
 Formats: ``hf`` (a directory of ``*.safetensors`` + ``config.json``), ``gguf`` (converted
 once into the loom cache by :mod:`.gguf_loader`, then read like ``hf``), and
 ``--load-format dummy`` (small random weights, for benchmarks and tests).
+
+This module holds the ``--load-format`` table and imports no torch, so that the CLI can
+list and check the formats; building and loading live in :mod:`.base`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
-
-import torch
-import torch.nn as nn
-from loom_plugin_api import ModelRegistry, set_current_config
-
-from ..distributed import get_tensor_model_parallel_rank
-from ..logger import init_logger
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..config import LoomConfig
+    import torch.nn as nn
 
-logger = init_logger(__name__)
+    from ..config import LoomConfig
+    from .base import get_model, initialize_dummy_weights, load_weights_into
 
 __all__ = [
     "WEIGHT_LOADERS", "get_model", "initialize_dummy_weights", "load_format_choices", "load_weights_into",
-    "register_weight_loader",
+    "register_weight_loader", "resolve_load_format",
 ]
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-WeightLoader = Callable[[nn.Module, "LoomConfig", bool], str]
+WeightLoader = Callable[["nn.Module", "LoomConfig", bool], str]
 """``loader(model, config, show_progress) -> source``: fills every parameter of ``model``."""
 
 _AUTO_FORMAT = {"hf": "safetensors", "gguf": "gguf"}  # model_format -> load format for "auto"
@@ -48,6 +33,7 @@ _FORMAT_NEEDS = {"safetensors": "hf", "gguf": "gguf"}
 
 
 def _load_safetensors(model: nn.Module, config: LoomConfig, show_progress: bool) -> str:
+    from .base import load_weights_into
     from .weight_utils import safetensors_files, safetensors_weights_iterator
 
     source = config.model_config.model_path
@@ -56,6 +42,7 @@ def _load_safetensors(model: nn.Module, config: LoomConfig, show_progress: bool)
 
 
 def _load_gguf(model: nn.Module, config: LoomConfig, show_progress: bool) -> str:
+    from .base import load_weights_into
     from .gguf_loader import ensure_gguf_cache, gguf_weights_file
     from .weight_utils import safetensors_weights_iterator
 
@@ -66,6 +53,8 @@ def _load_gguf(model: nn.Module, config: LoomConfig, show_progress: bool) -> str
 
 
 def _load_dummy(model: nn.Module, config: LoomConfig, show_progress: bool) -> str:
+    from .base import initialize_dummy_weights
+
     initialize_dummy_weights(model, seed=config.model_config.seed or 0)
     return "dummy weights"
 
@@ -93,7 +82,8 @@ def load_format_choices() -> list[str]:
     return ["auto", *WEIGHT_LOADERS]
 
 
-def _load_format(config: LoomConfig) -> str:
+def resolve_load_format(config: LoomConfig) -> str:
+    """The loader name for ``--load-format`` (``auto`` picks by the model's format)."""
     load_format = config.load_config.load_format
     model_format = config.model_config.model_format
     if load_format == "auto":
@@ -109,44 +99,11 @@ def _load_format(config: LoomConfig) -> str:
     return load_format
 
 
-def initialize_dummy_weights(model: nn.Module, low: float = -1e-3, high: float = 1e-3, seed: int = 1234) -> None:
-    """Fill every parameter with uniform noise (deterministic for a seed)."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.is_floating_point():
-                noise = torch.rand(param.shape, generator=generator, dtype=torch.float32) * (high - low) + low
-                param.data.copy_(noise.to(param.dtype))
 
 
-def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-    """``model.load_weights(weights)``, then fail naming every parameter left unloaded."""
-    loaded = model.load_weights(weights)  # type: ignore[operator]
-    expected = {name for name, _ in model.named_parameters()}
-    missing = sorted(expected - set(loaded))
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(
-            f"weights from {source} leave {len(missing)} parameter(s) of {type(model).__name__} unloaded: "
-            f"{shown}; the checkpoint does not match the model config"
-        )
+def __getattr__(name: str) -> Any:
+    if name in ("get_model", "initialize_dummy_weights", "load_weights_into"):
+        from . import base
 
-
-def get_model(config: LoomConfig) -> nn.Module:
-    """Build ``config.model_config.architecture`` on the platform's device and load it."""
-    model_config = config.model_config
-    load_format = _load_format(config)
-    model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architecture)
-    device = torch.device(config.device_config.device_type)
-    start = time.perf_counter()
-    with set_current_config(config), _default_dtype(model_config.dtype), device:
-        model = model_cls(config=config)  # type: ignore[call-arg]
-    built = time.perf_counter()
-    show_progress = get_tensor_model_parallel_rank() == 0
-    source = WEIGHT_LOADERS[load_format](model, config, show_progress)
-    model.eval()
-    logger.info(
-        "Loaded %s (%s, %s) from %s: built in %.2f s, weights in %.2f s",
-        arch, model_cls.__qualname__, model_config.dtype, source, built - start, time.perf_counter() - built,
-    )
-    return model
+        return getattr(base, name)
+    raise AttributeError(f"module 'loom.model_loader' has no attribute {name!r}")

@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import envs
 from ..logger import init_logger
+from ..transformers_utils.config import HFConfig
 
 if TYPE_CHECKING:
     import torch
@@ -380,12 +381,10 @@ def _convert(path: str, out_dir: str) -> None:
                 os.path.dirname(out_dir))
 
 
-def load_gguf_config(path: str, cache_root: str | None = None) -> PretrainedConfig:
-    """The ``LlamaConfig`` of a llama GGUF file (converting the file on first use)."""
-    from transformers import LlamaConfig
-
+def load_gguf_config(path: str, cache_root: str | None = None) -> HFConfig:
+    """The config of a llama GGUF file (converting the file on first use)."""
     cache_dir = ensure_gguf_cache(path, cache_root)
-    return LlamaConfig.from_json_file(os.path.join(cache_dir, "config.json"))
+    return HFConfig.from_json_file(os.path.join(cache_dir, "config.json"))
 
 
 def get_gguf_tokenizer(path: str, cache_root: str | None = None) -> PreTrainedTokenizerFast:

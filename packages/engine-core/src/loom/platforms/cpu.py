@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from loom_plugin_api import Platform, PlatformEnum
 
 from ..logger import init_logger
+
+if TYPE_CHECKING:
+    import torch
 
 logger = init_logger(__name__)
 
@@ -32,7 +34,7 @@ class CpuPlatform(Platform):
     device_type: ClassVar[str] = "cpu"
     dispatch_key: ClassVar[str] = "CPU"
     dist_backend: ClassVar[str] = "gloo"
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
 
     @classmethod
     def check_and_update_config(cls, config: Any) -> None:
@@ -70,4 +72,6 @@ class CpuPlatform(Platform):
         # Each worker owns a share of the cores; torch picks all of them otherwise.
         threads = os.environ.get("LOOM_CPU_NUM_THREADS")
         if threads:
+            import torch
+
             torch.set_num_threads(int(threads))

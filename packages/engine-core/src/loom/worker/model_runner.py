@@ -42,7 +42,7 @@ class ModelRunner:
     # ---- KV cache ---------------------------------------------------------------------
     def kv_cache_block_bytes(self) -> int:
         block_size = self.config.cache_config.block_size
-        itemsize = torch.empty(0, dtype=self.config.model_config.dtype).element_size()
+        itemsize = torch.empty(0, dtype=self.config.model_config.torch_dtype).element_size()
         return sum(
             2 * block_size * layer.num_kv_heads * layer.head_size * itemsize for layer in self.attn_layers
         )
@@ -54,7 +54,7 @@ class ModelRunner:
                 num_blocks, block_size, layer.num_kv_heads, layer.head_size
             )
             # Unwritten slots are never read: the backend only gathers positions in context.
-            layer.kv_cache = torch.empty(shape, dtype=self.config.model_config.dtype, device=self.device)
+            layer.kv_cache = torch.empty(shape, dtype=self.config.model_config.torch_dtype, device=self.device)
 
     # ---- one step -----------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
