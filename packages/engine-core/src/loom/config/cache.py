@@ -13,9 +13,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     """Memory for the KV cache; None lets the worker size it from what is available."""
+    gpu_memory_utilization: float = 0.9
+    """Share of a GPU's memory that the worker may use in all (weights, activations, KV
+    cache); GPU platforms size the cache from it. CPU platforms ignore it."""
     num_blocks: int | None = None
     """Set by the engine after asking the workers."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")

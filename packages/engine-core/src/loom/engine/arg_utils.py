@@ -52,6 +52,8 @@ class EngineArgs:
     block_size: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -85,6 +87,10 @@ class EngineArgs:
         g.add_argument("--block-size", type=int, default=None)
         g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="share of GPU memory the model and its KV cache may use (GPU platforms)")
+        g.add_argument("--enforce-eager", action="store_true",
+                       help="do not record decode steps as CUDA graphs (GPU platforms)")
         g.add_argument("--max-num-seqs", type=int, default=256)
         g.add_argument("--max-num-batched-tokens", type=int, default=None)
         g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
@@ -120,6 +126,7 @@ class EngineArgs:
             block_size=self.block_size or 16, user_block_size=self.block_size is not None,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
         batched = self.max_num_batched_tokens
         if batched is None:
@@ -136,6 +143,6 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size, worker_cls=self.worker_cls,
             ),
             scheduler_config=scheduler_config,
-            compilation_config=CompilationConfig(custom_ops=list(self.custom_ops)),
+            compilation_config=CompilationConfig(custom_ops=list(self.custom_ops), enforce_eager=self.enforce_eager),
             load_config=LoadConfig(load_format=self.load_format),
         )

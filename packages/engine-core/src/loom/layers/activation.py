@@ -9,6 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from loom_plugin_api import CustomOp
 
+from .kernels import get_kernel_override
+
 __all__ = ["SiluAndMul", "get_act_fn"]
 
 
@@ -19,6 +21,10 @@ class SiluAndMul(CustomOp):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]  # (T, d)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = get_kernel_override("silu_and_mul")
+        return self.forward_native(x) if kernel is None else kernel(x)
 
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {

@@ -7,6 +7,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from loom_plugin_api import CustomOp
 
+from .kernels import get_kernel_override
+
 __all__ = ["LayerNorm", "RMSNorm"]
 
 
@@ -36,6 +38,14 @@ class RMSNorm(CustomOp):
         x = (x * torch.rsqrt(variance + self.variance_epsilon)).to(orig_dtype)
         x = x * self.weight
         return x if residual is None else (x, residual)
+
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        kernel = get_kernel_override("rms_norm")
+        if kernel is None:
+            return self.forward_native(x, residual)
+        return kernel(x, self.weight, self.variance_epsilon, residual)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.variance_epsilon}"

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from loom_plugin_api import CustomOp
 
+from .kernels import get_kernel_override
+
 __all__ = ["Llama3RotaryEmbedding", "LinearScalingRotaryEmbedding", "RotaryEmbedding", "get_rope"]
 
 _COS_SIN_CACHES: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -91,6 +93,15 @@ class RotaryEmbedding(CustomOp):
         cos, sin = cos_sin.chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (T, 1, rotary_dim // 2)
         return self._rotate(query, T, cos, sin), self._rotate(key, T, cos, sin)
+
+    def forward_cuda(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kernel = get_kernel_override("rotary_embedding")
+        if kernel is None:
+            return self.forward_native(positions, query, key)
+        # The kernel rotates in place: q and k are fresh views of this step's QKV output.
+        return kernel(positions.flatten(), query, key, self.head_size, self.cos_sin_cache, self.is_neox_style)
 
     def _rotate(self, x: torch.Tensor, T: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

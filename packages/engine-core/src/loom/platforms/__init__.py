@@ -15,6 +15,7 @@ Every verdict (answered, None, or raised with its reason) is logged and kept in
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,16 +38,63 @@ __all__ = ["DetectorVerdict", "current_platform", "detector_verdicts", "resolve_
 
 
 def cuda_platform_plugin() -> str | None:
-    """Built-in detector: the CUDA platform, when its wheel is installed and a GPU is visible."""
+    """Built-in detector: the CUDA platform, when its wheel is installed and a GPU is visible.
+
+    Every process of a serve runs the detectors, and most of them never compute, so this
+    asks the NVIDIA driver (NVML) rather than torch: importing torch and probing CUDA
+    would cost each of them seconds and a CUDA context's memory.
+    """
     import importlib.util
 
     if importlib.util.find_spec("loom_platform_cuda") is None:
         raise _NotAvailable("loom-platform-cuda is not installed")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise _NotAvailable("no CUDA device is visible to torch")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        raise _NotAvailable(f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU")
+    count = _nvml_device_count()
+    if count == 0:
+        raise _NotAvailable("no CUDA device is visible (the NVIDIA driver reports 0 GPUs)")
+    torch_cuda = _torch_cuda_version()
+    if torch_cuda is None:
+        raise _NotAvailable("the installed torch is a CPU-only build (torch.version.cuda is None)")
     return "loom_platform_cuda.platform.CudaPlatform"
+
+
+def _nvml_device_count() -> int:
+    """GPUs the NVIDIA driver reports, through NVML (no CUDA context is created)."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        raise _NotAvailable("no CUDA device is visible: the NVIDIA driver (libnvidia-ml.so.1) is not "
+                            "installed") from None
+    if nvml.nvmlInit_v2() != 0:
+        raise _NotAvailable("no CUDA device is visible: the NVIDIA driver failed to initialize (nvmlInit)")
+    try:
+        count = ctypes.c_uint(0)
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            raise _NotAvailable("no CUDA device is visible: NVML cannot count the GPUs")
+        return int(count.value)
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _torch_cuda_version() -> str | None:
+    """``torch.version.cuda`` read from torch's version file, without importing torch."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    try:
+        with open(path) as f:
+            match = re.search(r"^cuda\b[^=]*=\s*['\"]([^'\"]+)['\"]", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return match.group(1) if match else None
 
 
 def cpu_platform_plugin() -> str | None:

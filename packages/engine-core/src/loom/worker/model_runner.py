@@ -14,7 +14,7 @@ from ..layers.attention import Attention
 from ..layers.sampler import Sampler, SamplingMetadata
 from ..logger import init_logger
 from ..sampling_params import SamplingParams
-from .input_batch import prepare_inputs
+from .input_batch import ModelInput, prepare_inputs
 
 logger = init_logger(__name__)
 
@@ -74,14 +74,19 @@ class ModelRunner:
             seen = list(new.prompt_token_ids) if params.repetition_penalty != 1.0 else None
             self.requests[new.req_id] = _RequestState(params, generator, seen)
 
+    def run_model(self, inputs: ModelInput) -> torch.Tensor:
+        """The forward pass of one step: hidden states ``(T, hidden)``. A platform's runner
+        may replace it (e.g. to replay a recorded graph)."""
+        with set_forward_context(inputs.attn_metadata):
+            return self.model(inputs.input_ids, inputs.positions)
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = prepare_inputs(scheduler_output, self.config.cache_config.block_size, self.device)
-        with set_forward_context(inputs.attn_metadata):
-            hidden_states = self.model(inputs.input_ids, inputs.positions)
+        hidden_states = self.run_model(inputs)
         if not inputs.sample_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         hidden = hidden_states[inputs.logits_indices]

@@ -1,0 +1,110 @@
+"""``CudaPlatform``: loom on NVIDIA GPUs, with Triton kernels and NCCL collectives.
+
+loom's built-in ``cuda`` detector names this class when this wheel is installed and torch
+sees a CUDA device. An out-of-tree platform that answers on the same host wins over it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from loom.logger import init_logger
+from loom_plugin_api import Platform, PlatformEnum
+
+if TYPE_CHECKING:
+    import torch
+
+logger = init_logger("loom_platform_cuda")
+
+ATTENTION_BACKEND = "loom_platform_cuda.attention.TritonAttentionBackend"
+WORKER = "loom_platform_cuda.worker.CudaWorker"
+COMMUNICATOR = "loom_platform_cuda.communicator.NcclCommunicator"
+SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 128)
+
+
+class CudaPlatform(Platform):
+    _enum: ClassVar[PlatformEnum] = PlatformEnum.CUDA
+    device_name: ClassVar[str] = "cuda"
+    device_type: ClassVar[str] = "cuda"
+    dispatch_key: ClassVar[str] = "CUDA"
+    dist_backend: ClassVar[str] = "nccl"
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+
+    @classmethod
+    def check_and_update_config(cls, config: Any) -> None:
+        if config.parallel_config.worker_cls == "auto":
+            config.parallel_config.worker_cls = WORKER
+        dtype = config.model_config.dtype
+        if dtype not in cls.supported_dtypes:
+            raise ValueError(f"dtype {dtype} is not supported on CUDA; use --dtype bfloat16, float16 or float32")
+        head_size = config.model_config.get_head_size()
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(
+                f"head size {head_size} is not supported by loom's Triton attention; supported: "
+                f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}"
+            )
+
+    @classmethod
+    def update_block_size_for_backend(cls, config: Any) -> None:
+        from .attention import TritonAttentionBackend
+
+        cache = config.cache_config
+        supported = TritonAttentionBackend.get_supported_block_sizes()
+        if cache.user_block_size:
+            if cache.block_size not in supported:
+                raise ValueError(f"--block-size {cache.block_size} is not supported on CUDA; use one of {supported}")
+            return
+        if cache.block_size not in supported:
+            cache.block_size = supported[0]
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        """Install the Triton kernels behind loom's ``forward_cuda`` (RMSNorm, RoPE, SiLU)."""
+        from loom.layers.kernels import register_kernel_override
+
+        from . import kernels
+
+        register_kernel_override("rms_norm", kernels.rms_norm)
+        register_kernel_override("rotary_embedding", kernels.rotary_embedding)
+        register_kernel_override("silu_and_mul", kernels.silu_and_mul)
+        logger.info("Triton kernels installed for rms_norm, rotary_embedding, silu_and_mul (pid %d)", os.getpid())
+
+    @classmethod
+    def get_attn_backend_cls(
+        cls, selected_backend: str | None, attn_selector_config: Any, num_heads: int | None = None
+    ) -> str:
+        if selected_backend not in (None, "TRITON_ATTN"):
+            raise ValueError(f"attention backend {selected_backend!r} is not available on CUDA; use TRITON_ATTN")
+        return ATTENTION_BACKEND
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return COMMUNICATOR
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        import torch
+
+        return int(torch.cuda.get_device_properties(device_id).total_memory)
+
+    @classmethod
+    def get_device_available_memory(cls, device_id: int = 0) -> int:
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device_id)
+        return int(free)
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        import torch
+
+        torch.cuda.set_device(device)
+
+    @classmethod
+    def seed_everything(cls, seed: int | None) -> None:
+        super().seed_everything(seed)
+        if seed is not None:
+            import torch
+
+            torch.cuda.manual_seed_all(seed)

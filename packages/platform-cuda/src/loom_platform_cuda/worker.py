@@ -1,0 +1,98 @@
+"""``CudaWorker``: one tensor-parallel rank on one GPU.
+
+``init_device`` takes GPU ``local_rank`` and joins the NCCL group; ``load_model`` builds
+the model on it; ``determine_available_memory`` profiles the largest step and offers the
+KV cache what ``--gpu-memory-utilization`` leaves; ``initialize_cache`` allocates it and,
+unless ``--enforce-eager``, records the decode steps as CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from loom.logger import init_logger
+from loom.platforms import current_platform
+from loom_plugin_api import WorkerBase
+
+from .model_runner import CudaModelRunner
+
+logger = init_logger("loom_platform_cuda.worker")
+
+_MiB = 1 << 20
+# Kept free beside the KV cache for the recorded graphs' buffers and the allocator's slack.
+_GRAPH_RESERVE_BYTES = 512 * _MiB
+
+
+class CudaWorker(WorkerBase):
+    model_runner: CudaModelRunner
+
+    def init_device(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaWorker needs a CUDA device, and torch sees none")
+        count = torch.cuda.device_count()
+        if self.local_rank >= count:
+            raise RuntimeError(f"rank {self.rank} needs GPU {self.local_rank}, but only {count} are visible "
+                               "(CUDA_VISIBLE_DEVICES); lower --tensor-parallel-size")
+        self.device = torch.device("cuda", self.local_rank)
+        current_platform.set_device(self.device)
+        current_platform.seed_everything(self.config.model_config.seed)
+        tp = self.config.parallel_config.tensor_parallel_size
+        if tp > 1:
+            import torch.distributed as dist
+            from loom.distributed.parallel_state import initialize_model_parallel
+
+            dist.init_process_group(
+                current_platform.dist_backend, init_method=self.distributed_init_method,
+                world_size=tp, rank=self.rank, device_id=self.device,
+            )
+            initialize_model_parallel(tp)
+        name = torch.cuda.get_device_name(self.device)
+        logger.info("Worker rank %d initialized device %s (%s)", self.rank, self.device, name)
+
+    def load_model(self) -> None:
+        from loom.model_loader import get_model
+
+        model = get_model(self.config)
+        self.model_runner = CudaModelRunner(self.config, model, self.device)
+        current_platform.update_block_size_for_backend(self.config)
+
+    def determine_available_memory(self) -> int:
+        fixed = self.config.cache_config.kv_cache_memory_bytes
+        if fixed:
+            return fixed
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        self.model_runner.profile_run()
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - allocated
+        torch.cuda.empty_cache()
+        utilization = self.config.cache_config.gpu_memory_utilization
+        in_use = total - free  # weights, CUDA context, NCCL and other processes on this GPU
+        budget = int(total * utilization) - in_use - activation_peak - _GRAPH_RESERVE_BYTES
+        logger.info(
+            "Worker rank %d memory: %.0f MiB total, %.0f MiB in use after loading, %.0f MiB activation peak; "
+            "%.0f MiB for the KV cache at --gpu-memory-utilization %.2f",
+            self.rank, total / _MiB, in_use / _MiB, activation_peak / _MiB, max(budget, 0) / _MiB, utilization,
+        )
+        if budget <= 0:
+            raise ValueError(
+                f"--gpu-memory-utilization {utilization} leaves no memory for the KV cache on GPU "
+                f"{self.local_rank} ({in_use / _MiB:.0f} MiB already in use of {total / _MiB:.0f} MiB); raise it, "
+                "lower --max-num-batched-tokens, or free the GPU"
+            )
+        return budget
+
+    def get_kv_cache_block_bytes(self) -> int:
+        return self.model_runner.kv_cache_block_bytes()
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_cache(num_blocks)
+        logger.info("Worker rank %d allocated %d KV-cache blocks", self.rank, num_blocks)
+        compilation = self.config.compilation_config
+        if not compilation.enforce_eager:
+            self.model_runner.capture_decode_graphs(compilation.cudagraph_capture_sizes)
+
+    def execute_model(self, scheduler_output):  # type: ignore[no-untyped-def]
+        output = self.model_runner.execute_model(scheduler_output)
+        return output if self.is_driver_worker else None
