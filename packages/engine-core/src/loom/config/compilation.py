@@ -4,7 +4,6 @@ from dataclasses import dataclass, field
 
 from loom_plugin_api.switches import resolve_custom_ops
 
-
 # Decode batch sizes a GPU platform records as CUDA graphs (a batch runs in the smallest
 # graph that holds it; larger batches run eagerly).
 DEFAULT_CUDAGRAPH_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
