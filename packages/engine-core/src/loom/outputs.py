@@ -48,3 +48,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (of the first completion)."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token (None for the first,
+    which nothing precedes), the prompt token and its top alternatives. In a stream, only the
+    first output carries it."""
