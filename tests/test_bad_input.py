@@ -26,6 +26,22 @@ def test_missing_model_path_cli():
     assert "Traceback" not in proc.stderr
 
 
+def test_bad_chat_template_cli(tmp_path):
+    missing = tmp_path / "missing.jinja"
+    for command in (["serve"], ["generate", "hi"]):  # checked before the model loads or anything is spawned
+        proc = cli(*command, "--chat-template", str(missing))
+        assert proc.returncode == 1, proc.stderr
+        assert last_line(proc).startswith(f"loom: error: --chat-template: file '{missing}' not found")
+        assert "Traceback" not in proc.stderr
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }}")
+    proc = cli("serve", "--chat-template", str(broken))
+    assert proc.returncode == 1
+    line = last_line(proc)
+    assert line.startswith(f"loom: error: --chat-template: file '{broken}' does not parse as a Jinja template: line 1")
+    assert "endfor" in line and "Traceback" not in proc.stderr
+
+
 def test_bad_flag_cli():
     proc = cli("generate", "hi", "--tensor-parallel-size", "many")
     assert proc.returncode == 2 and "invalid int value: 'many'" in proc.stderr

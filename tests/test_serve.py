@@ -204,3 +204,27 @@ def test_supervisor_command_serves_the_same_plan(tiny_llama, tmp_path):
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
     assert code == 0, serve.log[-2000:]
+
+
+def test_chat_template_echo_and_penalties_across_processes(tiny_llama, tmp_path):
+    template = tmp_path / "qa.jinja"
+    template.write_text("Q: {{ messages[-1]['content'] }}\nA:")
+    with serving([str(tiny_llama), "--max-model-len", "128", "--chat-template", str(template)], tmp_path) as serve:
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="none", max_retries=0)
+        r = client.chat.completions.create(model=str(tiny_llama), max_tokens=2,
+                                           messages=[{"role": "system", "content": "not in this template"},
+                                                     {"role": "user", "content": "two plus two"}])
+        # prompt logprobs and penalties travel through the engine-core and worker processes
+        echoed = client.completions.create(model=str(tiny_llama), prompt="Hello there", echo=True, logprobs=1,
+                                           max_tokens=4, temperature=0, frequency_penalty=-2, presence_penalty=-2,
+                                           extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text.startswith("Hello there") and echoed.usage.completion_tokens == 4
+    num_prompt = echoed.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 4 and lp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert len(set(lp.tokens[num_prompt:])) == 1  # a negative penalty rewards repeating the first token
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    assert r.usage.prompt_tokens == len(tokenizer.encode("Q: two plus two\nA:", add_special_tokens=False))

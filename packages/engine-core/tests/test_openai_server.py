@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -313,6 +314,118 @@ def test_stop_string_and_stop_token(client) -> None:
     assert out.choices[0].model_extra["stop_reason"] == target
 
 
+def test_presence_and_frequency_penalties(client) -> None:
+    def run(**penalties):
+        out = client.completions.create(model=MODEL, prompt="The quick brown fox", temperature=0, max_tokens=40,
+                                        logprobs=20, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                                        **penalties)
+        lp = out.choices[0].logprobs
+        ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+        return ids, lp.top_logprobs
+
+    base, _ = run()
+    strong, strong_top = run(frequency_penalty=2.0, presence_penalty=2.0)
+    boost, boost_top = run(frequency_penalty=-2.0, presence_penalty=-2.0)
+    assert max(Counter(base).values()) > 1  # this tiny model repeats itself within 40 tokens...
+    assert max(Counter(strong).values()) == 1 and strong != base  # ...but not with a strong penalty
+    assert max(Counter(boost).values()) > max(Counter(base).values())  # a negative one rewards repeats
+    # Each greedy choice maximizes logprob - frequency * count - presence * (count > 0) over
+    # the tokens generated before it (logprobs are the model's, before the penalties).
+    for ids, tops, penalty in ((strong, strong_top, 2.0), (boost, boost_top, -2.0)):
+        for t, (chosen, top) in enumerate(zip(ids, tops)):
+            counts = Counter(ids[:t])
+            score = {int(k.removeprefix("token_id:")): v for k, v in top.items()}
+            adjusted = {tid: v - penalty * counts[tid] - penalty * (counts[tid] > 0) for tid, v in score.items()}
+            assert adjusted[chosen] >= max(adjusted.values()) - 1e-4, t
+
+    messages = [{"role": "user", "content": "Say hello"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, extra_body=IGNORE_EOS, **GREEDY)
+    boosted = client.chat.completions.create(model=MODEL, messages=messages, frequency_penalty=-2, presence_penalty=-2,
+                                             extra_body=IGNORE_EOS, **GREEDY)
+    assert boosted.choices[0].message.content != plain.choices[0].message.content
+
+
+def hf_prompt_logprobs(engine_client, prompt_ids: list[int]) -> list[float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(engine_client.config.model_config.model_path, dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0, :-1].float(), dim=-1)
+    return logprobs.gather(1, torch.tensor(prompt_ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+
+
+def test_echo(client, engine_client) -> None:
+    prompt = "The quick brown fox"
+    prompt_ids = engine_client.tokenizer.encode(prompt)
+    plain = client.completions.create(model=MODEL, prompt=prompt, extra_body=IGNORE_EOS, **GREEDY)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, echo=True, extra_body=IGNORE_EOS, **GREEDY)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert echoed.usage == plain.usage and echoed.choices[0].logprobs is None
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, stream=True,
+                                            extra_body=IGNORE_EOS, **GREEDY))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0].startswith(prompt) and "".join(texts) == echoed.choices[0].text
+
+    # token-id prompts are echoed as their text; every choice of n gets the prompt
+    two = client.completions.create(model=MODEL, prompt=prompt_ids, echo=True, n=2, extra_body=IGNORE_EOS, **GREEDY)
+    assert [c.text for c in two.choices] == [echoed.choices[0].text] * 2
+
+    # the prompt alone
+    only = client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0, logprobs=1)
+    assert only.choices[0].text == prompt and only.choices[0].finish_reason == "length"
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == len(prompt_ids)
+    assert len(only.choices[0].logprobs.tokens) == len(prompt_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, echo=True, max_tokens=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+
+
+def test_echo_with_logprobs(client, engine_client) -> None:
+    prompt = "Echo the prompt, then generate"
+    prompt_ids = engine_client.tokenizer.encode(prompt)
+    num_prompt = len(prompt_ids)
+    plain = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, extra_body=IGNORE_EOS, **GREEDY)
+    out = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, extra_body=IGNORE_EOS,
+                                    **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == num_prompt + 12
+    assert "".join(lp.tokens) == out.choices[0].text == prompt + plain.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first token
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert lp.text_offset[num_prompt] == len(prompt)
+    # the generated part is what it is without echo; the prompt part is the model's own
+    assert lp.tokens[num_prompt:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[num_prompt:] == plain.choices[0].logprobs.token_logprobs
+    expected = hf_prompt_logprobs(engine_client, prompt_ids)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[1:num_prompt], expected, strict=True))
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+
+    streamed = [c.choices[0] for c in client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, logprobs=2, stream=True, extra_body=IGNORE_EOS, **GREEDY)
+        if c.choices]
+    assert streamed[0].text.startswith(prompt) and len(streamed[0].logprobs.tokens) >= num_prompt
+    assert [t for c in streamed for t in c.logprobs.tokens] == lp.tokens
+    assert [v for c in streamed for v in c.logprobs.token_logprobs] == lp.token_logprobs
+    assert [o for c in streamed for o in c.logprobs.text_offset] == lp.text_offset
+
+
+def test_chat_template_override(engine_client) -> None:
+    template = "Q: {{ messages[-1]['content'] }} A:"
+    messages = [{"role": "system", "content": "ignored by this template"}, {"role": "user", "content": "two plus two"}]
+    expected = len(engine_client.tokenizer.encode("Q: two plus two A:", add_special_tokens=False))
+    with ServerThread(build_app(engine_client, MODEL, chat_template=template, endpoint_plugins={})) as srv:
+        r = post(srv, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == expected
+    default = len(engine_client.tokenizer.encode(
+        engine_client.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False))
+    assert default != expected
+
+
 # ---- auth and bad requests ---------------------------------------------------------------------
 def test_api_key(server) -> None:
     bad = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
@@ -330,7 +443,9 @@ def test_api_key(server) -> None:
     ({"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be >= 1"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty must be in [-2, 2]"),
+    ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
     ({"model": MODEL, "prompt": [99999999]}, 400, "outside the vocabulary"),
     ({"model": MODEL, "prompt": ""}, 400, "empty"),
     ({"model": MODEL}, 400, "prompt"),

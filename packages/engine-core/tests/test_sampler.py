@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 from loom.layers.sampler import Sampler, SamplingMetadata
 from loom.sampling_params import SamplingParams
@@ -152,3 +153,59 @@ def test_top_k_per_row():
         tokens, _ = sample(logits, params, [gen(seed), gen(seed + 1), None, None])
         assert tokens[1] in logits[1].topk(2).indices.tolist()
         assert tokens[2] == int(logits[2].argmax())
+
+
+def test_frequency_and_presence_penalties_change_the_greedy_choice():
+    logits = torch.zeros(4, V)
+    logits[:, 1] = 5.0  # generated twice so far
+    logits[:, 2] = 4.0  # never generated
+    logits[:, 3 + 1] = 3.5  # generated once
+    params = [
+        SamplingParams(temperature=0.0, frequency_penalty=0.6),  # 1: 5 - 1.2 = 3.8 < 4
+        SamplingParams(temperature=0.0, presence_penalty=1.5),  # 1: 3.5 < 4, and 4: 3.5 - 1.5
+        SamplingParams(temperature=0.0, frequency_penalty=0.4),  # 1: 4.2 still wins
+        SamplingParams(temperature=0.0, frequency_penalty=-1.0, presence_penalty=-1.0),  # negative: a boost
+    ]
+    output = [[1, 4, 1], [1, 4, 1], [1, 4, 1], [4]]
+    md = SamplingMetadata.from_requests(params, [None] * 4, [3, 3, 3, 1], EOS, None, output)
+    out = logits.clone()
+    tokens, _ = Sampler()(out, md)
+    assert tokens == [2, 2, 1, 4]
+    assert torch.allclose(out[0, [1, 2, 4]], torch.tensor([3.8, 4.0, 2.9]))  # 4: 3.5 - 0.6
+    assert torch.allclose(out[1, [1, 2, 4]], torch.tensor([3.5, 4.0, 2.0]))
+    assert torch.allclose(out[3, [1, 2, 4]], torch.tensor([5.0, 4.0, 5.5]))
+
+
+def test_zero_output_penalties_and_no_output_are_no_ops():
+    logits = random_logits(3, seed=4)
+    params = [SamplingParams(temperature=0.0, frequency_penalty=2.0, presence_penalty=2.0),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, presence_penalty=0.0)]
+    md = SamplingMetadata.from_requests(params, [None] * 3, [0, 2, 2], EOS, None, [[], [5, 5], [7]])
+    assert md.output_penalty_rows is None and md.no_processing  # the fast greedy path stays open
+    out = logits.clone()
+    assert Sampler()(out, md)[0] == logits.argmax(-1).tolist()
+    assert torch.equal(out, logits)
+
+
+def test_output_penalties_only_touch_their_rows_and_mix_with_random_rows():
+    logits = torch.zeros(3, V)
+    logits[:, 6] = 10.0
+    logits[:, 8] = 9.0
+    params = [SamplingParams(temperature=1.0, top_k=2, presence_penalty=2.0, seed=1),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, frequency_penalty=1.0)]
+    md = SamplingMetadata.from_requests(params, [gen(1), None, None], [1, 1, 2], EOS, None, [[6], [6], [6, 6]])
+    out = logits.clone()
+    tokens, _ = Sampler()(out, md)
+    assert tokens[1:] == [6, 8]
+    assert out[1, 6] == 10.0 and out[2, 6] == 8.0
+
+
+@pytest.mark.parametrize("name", ["presence_penalty", "frequency_penalty"])
+def test_output_penalty_ranges(name):
+    for value in (-2.0, 0, 1.5, 2):
+        SamplingParams(**{name: value})
+    for value in (-2.01, 2.5, 100):
+        with pytest.raises(ValueError, match=rf"{name} must be in \[-2, 2\], got {value}"):
+            SamplingParams(**{name: value})
+    with pytest.raises(ValueError, match=f"{name} must be a number"):
+        SamplingParams(**{name: "1"})

@@ -48,6 +48,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (of the first completion)."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token (None for the first,
+    which nothing precedes), the prompt token and its top alternatives. In a stream, only the
+    first output carries it."""
 
 
 def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
@@ -73,4 +77,5 @@ def merge_deltas(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     return RequestOutput(
         request_id=first.request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
         outputs=list(merged.values()), finished=then.finished, num_cached_tokens=first.num_cached_tokens,
+        prompt_logprobs=first.prompt_logprobs,
     )

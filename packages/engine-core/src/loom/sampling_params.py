@@ -23,7 +23,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Number of top logprobs to return per generated token (plus the sampled one)."""
+    prompt_logprobs: int | None = None
+    """Number of top logprobs to return per prompt token (plus the prompt token itself)."""
     repetition_penalty: float = 1.0
+    """HF semantics, over prompt and output tokens: > 1 discourages repeats."""
+    presence_penalty: float = 0.0
+    """OpenAI semantics, over output tokens: subtracted once from a token's logit if it occurs."""
+    frequency_penalty: float = 0.0
+    """OpenAI semantics, over output tokens: subtracted from a token's logit per occurrence."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -32,7 +39,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        for name in ("temperature", "top_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -40,7 +47,7 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-        for name in ("max_tokens", "logprobs", "seed"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs", "seed"):
             value = getattr(self, name)
             if value is not None and not _is_int(value):
                 raise ValueError(f"{name} must be an integer or None, got {value!r}")
@@ -56,7 +63,12 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),

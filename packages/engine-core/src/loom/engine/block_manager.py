@@ -70,9 +70,10 @@ class BlockManager:
 
         Returns the block ids and the number of tokens they hold. Reference counts do not
         change until ``allocate_slots`` takes the blocks. The last token is never served from
-        the cache: the model must run on it to produce the logits to sample from.
+        the cache: the model must run on it to produce the logits to sample from. A request
+        that asks for prompt logprobs gets no hits: it needs the logits of every prompt position.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

@@ -76,6 +76,7 @@ class _Group:
     done: dict[int, CompletionOutput] = field(default_factory=dict)
     """Final outputs of finished children, by index (final-only mode)."""
     num_finished: int = 0
+    prompt_logprobs_sent: bool = False
 
 
 @dataclass(slots=True)
@@ -271,9 +272,15 @@ class LLMEngine:
             if not all_done:
                 return None
             completions = [group.done[i] for i in range(len(group.children))]
+        prompt_logprobs = None
+        if not group.prompt_logprobs_sent:
+            # Any child that got a token has its whole prompt scored; the first output carries it.
+            prompt_logprobs = self._convert_prompt_logprobs(reqs[0])
+            group.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=completions, finished=all_done, num_cached_tokens=group.children[0].num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _final_completion(self, req: Request) -> CompletionOutput:
@@ -309,15 +316,31 @@ class LLMEngine:
     def _convert_logprobs(self, req: Request, start: int) -> list[dict[int, Logprob]] | None:
         if req.sampling_params.logprobs is None:
             return None
-        out = []
-        for lp in req.logprobs[start:]:
-            # The sampled token first, then the top alternatives (rank = position + 1).
-            entry = {lp.token_id: Logprob(lp.logprob, lp.rank, self._token_text_of(lp.token_id))}
-            for rank, (tid, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
-                if tid not in entry:
-                    entry[tid] = Logprob(value, rank, self._token_text_of(tid))
-            out.append(entry)
+        return [self._logprob_entry(lp.token_id, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs)
+                for lp in req.logprobs[start:]]
+
+    def _convert_prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
+        if req.sampling_params.prompt_logprobs is None:
+            return None
+        prompt = req.prompt_token_ids
+        out: list[dict[int, Logprob] | None] = [None]  # nothing precedes the first token
+        for chunk in req.prompt_logprobs:
+            if chunk.start != len(out):
+                raise RuntimeError(f"prompt logprobs of {req.request_id!r} arrived out of order: chunk at "
+                                   f"{chunk.start}, expected {len(out)}")
+            for j, (value, rank, top_ids, top_values) in enumerate(zip(
+                    chunk.logprobs, chunk.ranks, chunk.top_token_ids, chunk.top_logprobs)):
+                out.append(self._logprob_entry(prompt[chunk.start + j], value, rank, top_ids, top_values))
         return out
+
+    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top_token_ids: list[int],
+                       top_logprobs: list[float]) -> dict[int, Logprob]:
+        # The scored token first, then the top alternatives (rank = position + 1).
+        entry = {token_id: Logprob(logprob, rank, self._token_text_of(token_id))}
+        for top_rank, (tid, value) in enumerate(zip(top_token_ids, top_logprobs), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(value, top_rank, self._token_text_of(tid))
+        return entry
 
     def _token_text_of(self, token_id: int) -> str | None:
         if self.tokenizer is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 
 from ..sampling_params import SamplingParams
-from .scheduler_output import SampledLogprobs
+from .scheduler_output import PromptLogprobs, SampledLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -40,7 +40,7 @@ class Request:
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "arrival", "eos_token_id",
         "parent_id", "index", "status", "all_token_ids", "output_token_ids", "max_tokens",
         "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
-        "logprobs", "cumulative_logprob", "stop_reason",
+        "logprobs", "cumulative_logprob", "stop_reason", "prompt_logprobs",
     )
 
     def __init__(
@@ -81,6 +81,8 @@ class Request:
         self.logprobs: list[SampledLogprobs] = []
         self.cumulative_logprob = 0.0
         self.stop_reason: int | str | None = None
+        self.prompt_logprobs: list[PromptLogprobs] = []
+        """Prompt logprobs as the prefill chunks computed them, in prompt order."""
 
     @property
     def num_prompt_tokens(self) -> int:

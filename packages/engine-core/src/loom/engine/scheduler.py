@@ -187,7 +187,7 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Append the sampled tokens and check the stop conditions.
+        """Append the sampled tokens (and prompt logprobs) and check the stop conditions.
 
         Returns the requests that got a token this step, finished ones included (their
         blocks are already freed). Stop strings are the engine's: it needs the text.
@@ -196,6 +196,10 @@ class Scheduler:
         any_finished = False
         logprobs = model_runner_output.logprobs
         requests = self.requests
+        for chunk in model_runner_output.prompt_logprobs:
+            req = requests.get(chunk.req_id)
+            if req is not None:
+                req.prompt_logprobs.append(chunk)
         for k, req_id in enumerate(model_runner_output.req_ids):
             req = requests.get(req_id)
             if req is None:  # aborted while the step ran

@@ -19,7 +19,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     prompt_len: int
     prompt_token_ids: list[int] = field(default_factory=list)
-    """For penalties over the prompt (prefix-cached prompt tokens are never scheduled)."""
+    """For penalties and prompt logprobs (prefix-cached prompt tokens are never scheduled)."""
     eos_token_id: int | None = None
     """The engine's EOS for this request; min_tokens masks it."""
 
@@ -69,8 +69,26 @@ class SampledLogprobs:
 
 
 @dataclass(slots=True, kw_only=True)
+class PromptLogprobs:
+    """Logprobs of a run of one request's prompt tokens, scored by one prefill chunk.
+
+    Entry ``j`` belongs to prompt token ``start + j``, from the logits of the position before it.
+    """
+
+    req_id: str
+    start: int
+    """Index in the prompt of the first token scored (the first prompt token has no logprob: >= 1)."""
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass(slots=True, kw_only=True)
 class ModelRunnerOutput:
     req_ids: list[str]
     """Requests that sampled a token this step, in scheduled order."""
     sampled_token_ids: list[int]
     logprobs: list[SampledLogprobs | None] | None = None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    """For requests with ``prompt_logprobs`` whose prompt was (partly) computed this step."""

@@ -37,6 +37,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds each start-up phase of each process may take")
     g.add_argument("--grace-period", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template for /v1/chat/completions instead of the tokenizer's: the path of a "
+                        "Jinja file, or the template itself")
 
 
 def worker_env(env: dict[str, str], tp: int) -> dict[str, str]:
@@ -60,10 +63,14 @@ def build_plan(config: LoomConfig, args: argparse.Namespace) -> dict[str, Any]:
         frontend_env["LOOM_API_KEY"] = args.api_key  # not on the command line, where ps shows it
     tp = config.parallel_config.tensor_parallel_size
     wenv = worker_env(env, tp)
+    frontend_argv = [python, "-m", "loom.entrypoints.frontend", "--host", args.host, "--port", str(args.port),
+                     "--grace-period", str(args.grace_period)]
+    chat_template = getattr(args, "chat_template", None)
+    if chat_template is not None:
+        # The template text, read and checked once here (plan_from_args): the front end takes it as is.
+        frontend_argv += ["--chat-template", chat_template]
     processes = [
-        {"role": "frontend", "rank": 0, "env": frontend_env,
-         "argv": [python, "-m", "loom.entrypoints.frontend", "--host", args.host, "--port", str(args.port),
-                  "--grace-period", str(args.grace_period)]},
+        {"role": "frontend", "rank": 0, "env": frontend_env, "argv": frontend_argv},
         {"role": "engine_core", "rank": 0, "env": env, "argv": [python, "-m", "loom.engine.core_proc"]},
     ]
     for rank in range(tp):
@@ -94,7 +101,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def plan_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from ..engine.arg_utils import EngineArgs
+    from .chat_utils import load_chat_template
 
+    args.chat_template = load_chat_template(args.chat_template)  # a bad template fails before the model loads
     config = EngineArgs.from_cli_args(args).create_engine_config()
     return build_plan(config, args)
 

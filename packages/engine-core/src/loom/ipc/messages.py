@@ -32,7 +32,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .codec import decode, encode
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: penalties and prompt logprobs in SamplingParams, runner and request outputs
 
 ADD_REQUEST = "ADD_REQUEST"
 ABORT = "ABORT"

@@ -1,7 +1,7 @@
 """Sampler: logits -> next tokens (and their logprobs), one row per request that samples.
 
 Order of work, as in vLLM: raw logprobs (when asked) -> min_tokens mask -> repetition
-penalty -> greedy argmax | temperature -> top-k -> top-p -> random draw. Random rows are
+penalty -> frequency and presence penalties -> greedy argmax | temperature -> top-k -> top-p -> random draw. Random rows are
 drawn together with the exponential race (argmax of p / q, q ~ Exp(1)), which samples from
 p; a seeded row draws its q from its own torch.Generator, so its tokens do not depend on
 what else is in the batch.
@@ -42,13 +42,22 @@ class SamplingMetadata:
     """(R, 1) their penalties."""
     seen_ids: torch.Tensor | None
     """(R, L) token ids seen by those rows, padded with a repeat of the row's own first id."""
+    output_penalty_rows: torch.Tensor | None
+    """(S,) rows with a frequency or presence penalty and some output already."""
+    frequency_penalties: torch.Tensor | None
+    """(S, 1) their frequency penalties."""
+    presence_penalties: torch.Tensor | None
+    """(S, 1) their presence penalties."""
+    output_ids: torch.Tensor | None
+    """(S, M) tokens those rows generated so far, padded with -1."""
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
     """Largest ``logprobs`` asked; None when no row asks for logprobs."""
 
     @property
     def no_processing(self) -> bool:
-        return self.min_tokens_rows is None and self.penalty_rows is None and self.max_num_logprobs is None
+        return (self.min_tokens_rows is None and self.penalty_rows is None and self.output_penalty_rows is None
+                and self.max_num_logprobs is None)
 
     @classmethod
     def from_requests(
@@ -58,7 +67,11 @@ class SamplingMetadata:
         num_output_tokens: list[int],
         eos_token_id: int | None,
         seen_token_ids: list[list[int]] | None,
+        output_token_ids: list[list[int]] | None = None,
     ) -> SamplingMetadata:
+        """``seen_token_ids``: prompt and output tokens per row (repetition penalty);
+        ``output_token_ids``: output tokens per row (frequency and presence penalties).
+        Either is None when no row of the step needs it."""
         greedy = [p.is_greedy for p in params]
         all_greedy = all(greedy)
         temperature = greedy_rows = top_k = top_p = None
@@ -95,12 +108,25 @@ class SamplingMetadata:
                 penalties = torch.tensor([[params[i].repetition_penalty] for i in pen])
                 seen = torch.tensor(padded, dtype=torch.long)
 
+        out_rows = freq = pres = out_ids = None
+        if output_token_ids is not None:
+            pen = [i for i, p in enumerate(params)
+                   if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and output_token_ids[i]]
+            if pen:
+                width = max(len(output_token_ids[i]) for i in pen)
+                padded = [s + [-1] * (width - len(s)) for s in (output_token_ids[i] for i in pen)]
+                out_rows = torch.tensor(pen, dtype=torch.long)
+                freq = torch.tensor([[params[i].frequency_penalty] for i in pen])
+                pres = torch.tensor([[params[i].presence_penalty] for i in pen])
+                out_ids = torch.tensor(padded, dtype=torch.long)
+
         num_logprobs = [p.logprobs for p in params]
         asked = [k for k in num_logprobs if k is not None]
         return cls(
             all_greedy=all_greedy, temperature=temperature, greedy_rows=greedy_rows, top_k=top_k,
             top_p=top_p, generators=gens, min_tokens_rows=min_rows, min_tokens_cols=min_cols,
-            penalty_rows=penalty_rows, penalties=penalties, seen_ids=seen, num_logprobs=num_logprobs,
+            penalty_rows=penalty_rows, penalties=penalties, seen_ids=seen, output_penalty_rows=out_rows,
+            frequency_penalties=freq, presence_penalties=pres, output_ids=out_ids, num_logprobs=num_logprobs,
             max_num_logprobs=max(asked) if asked else None,
         )
 
@@ -128,6 +154,8 @@ class Sampler(nn.Module):
             logits[md.min_tokens_rows.to(device)[keep], cols[keep]] = float("-inf")
         if md.penalty_rows is not None:
             self._apply_repetition_penalty(logits, md)
+        if md.output_penalty_rows is not None:
+            self._apply_frequency_presence_penalties(logits, md)
 
         if md.all_greedy:
             tokens = logits.argmax(dim=-1)
@@ -154,6 +182,18 @@ class Sampler(nn.Module):
         penalties = md.penalties.to(device)
         scores = torch.where(scores > 0, scores / penalties, scores * penalties)
         logits[rows] = sub.scatter(1, seen, scores)
+
+    @staticmethod
+    def _apply_frequency_presence_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+        # OpenAI semantics over the output so far: logit -= frequency * count + presence * (count > 0).
+        device = logits.device
+        rows = md.output_penalty_rows.to(device)
+        ids = md.output_ids.to(device)  # (S, M), -1 = padding
+        real = ids >= 0
+        counts = torch.zeros(ids.shape[0], logits.shape[1], dtype=logits.dtype, device=device)
+        counts.scatter_add_(1, ids.clamp(min=0), real.to(logits.dtype))  # (S, V)
+        penalty = md.frequency_penalties.to(device) * counts + md.presence_penalties.to(device) * (counts > 0)
+        logits[rows] -= penalty
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -15,6 +15,7 @@ from ..layers.sampler import Sampler, SamplingMetadata
 from ..logger import init_logger
 from ..sampling_params import SamplingParams
 from .input_batch import ModelInput, prepare_inputs
+from .prompt_logprobs import PromptLogprobsState, collect_prompt_logprobs
 
 logger = init_logger(__name__)
 
@@ -25,6 +26,8 @@ class _RequestState:
     generator: torch.Generator | None
     seen_token_ids: list[int] | None = field(default=None)
     """Prompt and generated tokens, kept only when a repetition penalty needs them."""
+    output_token_ids: list[int] | None = field(default=None)
+    """Generated tokens, kept only when a frequency or presence penalty needs them."""
 
 
 class ModelRunner:
@@ -34,6 +37,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
+        self.prompt_logprobs: dict[str, PromptLogprobsState] = {}
+        """Requests whose prompt logprobs are still being collected."""
         self.eos_token_id: int | None = None  # the engine's, sent with each new request
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         # Models may offer argmax without materializing the logits (the common greedy case).
@@ -60,6 +65,7 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprobs.pop(req_id, None)
         for new in scheduler_output.new_requests:
             if new.req_id in self.requests:
                 # Resumed after a preemption: keep the seeded generator where it was, so the
@@ -72,7 +78,11 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
             seen = list(new.prompt_token_ids) if params.repetition_penalty != 1.0 else None
-            self.requests[new.req_id] = _RequestState(params, generator, seen)
+            output = [] if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0 else None
+            self.requests[new.req_id] = _RequestState(params, generator, seen, output)
+            if params.prompt_logprobs is not None and len(new.prompt_token_ids) > 1:
+                self.prompt_logprobs[new.req_id] = PromptLogprobsState(
+                    list(new.prompt_token_ids), params.prompt_logprobs)
 
     def run_model(self, inputs: ModelInput) -> torch.Tensor:
         """The forward pass of one step: hidden states ``(T, hidden)``. A platform's runner
@@ -87,8 +97,11 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         inputs = prepare_inputs(scheduler_output, self.config.cache_config.block_size, self.device)
         hidden_states = self.run_model(inputs)
+        prompt_logprobs = collect_prompt_logprobs(
+            self.model.compute_logits, hidden_states, scheduler_output.scheduled, self.prompt_logprobs,
+        ) if self.prompt_logprobs else []
         if not inputs.sample_req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs)
         hidden = hidden_states[inputs.logits_indices]
         by_id = {r.req_id: r for r in scheduler_output.scheduled}
         states = [self.requests[i] for i in inputs.sample_req_ids]
@@ -99,6 +112,8 @@ class ModelRunner:
             self.eos_token_id,
             [s.seen_token_ids or [] for s in states] if any(s.seen_token_ids is not None for s in states)
             else None,
+            [s.output_token_ids or [] for s in states] if any(s.output_token_ids is not None for s in states)
+            else None,
         )
         if metadata.all_greedy and metadata.no_processing and self._fused_greedy is not None:
             token_ids, logprobs = self._fused_greedy(hidden).tolist(), None
@@ -107,4 +122,7 @@ class ModelRunner:
         for state, token_id in zip(states, token_ids):
             if state.seen_token_ids is not None:
                 state.seen_token_ids.append(token_id)
-        return ModelRunnerOutput(req_ids=inputs.sample_req_ids, sampled_token_ids=token_ids, logprobs=logprobs)
+            if state.output_token_ids is not None:
+                state.output_token_ids.append(token_id)
+        return ModelRunnerOutput(req_ids=inputs.sample_req_ids, sampled_token_ids=token_ids, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)

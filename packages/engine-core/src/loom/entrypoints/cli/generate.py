@@ -15,6 +15,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template instead of the tokenizer's: the path of a Jinja file, or the template itself")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -22,15 +24,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     from ...entrypoints.llm import LLM
     from ...sampling_params import SamplingParams
+    from ..chat_utils import load_chat_template
 
+    chat_template = load_chat_template(args.chat_template)  # a bad template fails before the model loads
     engine_args = EngineArgs.from_cli_args(args)
     kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}
     llm = LLM(args.model, **kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     prompt = " ".join(args.prompt)
-    has_template = getattr(llm.get_tokenizer(), "chat_template", None) is not None
+    has_template = chat_template is not None or getattr(llm.get_tokenizer(), "chat_template", None) is not None
     if has_template and not args.raw:
-        out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+        out = llm.chat([{"role": "user", "content": prompt}], params, chat_template=chat_template)[0]
     else:
         out = llm.generate(prompt, params)[0]
     sys.stdout.write(out.outputs[0].text.strip() + "\n")

@@ -3,8 +3,8 @@
 Requests accept OpenAI's fields plus the sampling extras vLLM's server takes in the body
 (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ...).
 Fields loom does not know are kept in ``model_extra`` and logged as ignored; fields it knows
-but cannot honour (``echo``, ``logit_bias``, non-zero penalties, tools) are rejected with a
-400 that says so, rather than silently changing the output.
+but cannot honour (``logit_bias``, ``suffix``, tools) are rejected with a 400 that says so,
+rather than silently changing the output.
 """
 
 from __future__ import annotations

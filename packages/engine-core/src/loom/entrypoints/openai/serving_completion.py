@@ -1,12 +1,20 @@
-"""``POST /v1/completions``: one or more prompts, ``n`` choices each, JSON or SSE."""
+"""``POST /v1/completions``: one or more prompts, ``n`` choices each, JSON or SSE.
+
+``echo`` puts the prompt before each choice's text (in a stream, in the choice's first
+chunk); with ``logprobs`` the prompt tokens get logprobs too, the first one ``null``.
+``echo`` with ``max_tokens: 0`` returns the prompt alone: the engine always samples at
+least one token, so the request runs with a budget of one and that token is dropped (as
+vLLM does); it is not counted in ``usage.completion_tokens``.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
-from ...outputs import CompletionOutput, RequestOutput
+from ...outputs import CompletionOutput, Logprob, RequestOutput
 from .protocol import (
     SSE_DONE,
     CompletionChoice,
@@ -29,11 +37,26 @@ from .serving_engine import (
 from .streaming import Prefetched, SSEResponse, prefetch
 
 
+@dataclass(slots=True)
+class _Echo:
+    """The prompts to put before the choices' text, and their logprobs once the engine sends them."""
+
+    texts: list[str]
+    prompt_token_ids: list[list[int]]
+    only: bool
+    """``max_tokens: 0``: the prompt alone; the one token generated is dropped."""
+    decode: Callable[[int], str]
+    prompt_logprobs: dict[int, list[dict[int, Logprob] | None]]
+    """Prompt index -> its logprobs (from the prompt's first RequestOutput)."""
+
+    def take(self, i: int, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = out.prompt_logprobs
+
+
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | SSEResponse:
         model_name = self.check_request(request)
-        if request.echo:
-            raise APIError("echo is not supported by loom", param="echo")
         if request.suffix:
             raise APIError("suffix is not supported by loom", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
@@ -41,11 +64,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream_options is not None and not request.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         prompts = self._prompts(request)
-        params = [
-            self.sampling_params(request, self.resolve_max_tokens(len(ids), request.max_tokens, "max_tokens"),
-                                 request.logprobs)
-            for _, ids in prompts
-        ]
+        echo = None
+        if request.echo:
+            echo = _Echo(texts=[text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts],
+                         prompt_token_ids=[ids for _, ids in prompts], only=request.max_tokens == 0,
+                         decode=self._decode_token, prompt_logprobs={})
+        params = []
+        for _, ids in prompts:
+            max_tokens = self.resolve_max_tokens(len(ids), request.max_tokens, "max_tokens")
+            if echo is not None and echo.only:
+                max_tokens = 1
+            params.append(self.sampling_params(request, max_tokens, request.logprobs,
+                                               request.logprobs if request.echo else None))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         merged = merge_async_iterators([
             self.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}", text, ids, p)
@@ -57,16 +87,20 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             return SSEResponse(self._stream(merged, request_id, model_name, n, len(prompts), num_prompt_tokens,
-                                            include_usage, request.return_tokens_as_token_ids),
+                                            include_usage, request.return_tokens_as_token_ids, echo),
                                on_close=merged.aclose)
         states = [ChoiceState() for _ in range(len(prompts) * n)]
         logprobs = [CompletionLogprobs() for _ in states] if request.logprobs is not None else None
         try:
             async for i, out in merged:
+                if echo is not None:
+                    echo.take(i, out)
                 for c in out.outputs:
                     index = i * n + c.index
-                    _update(states[index], c, logprobs[index] if logprobs else None,
-                            request.return_tokens_as_token_ids)
+                    state, lp = states[index], logprobs[index] if logprobs else None
+                    if echo is not None:
+                        c = _echo(echo, i, state, c, lp, request.return_tokens_as_token_ids)
+                    _update(state, c, lp, request.return_tokens_as_token_ids)
         except Exception as e:
             raise api_error_from(e) from e
         finally:
@@ -82,6 +116,9 @@ class OpenAIServingCompletion(OpenAIServing):
             usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_generated,
                             total_tokens=num_prompt_tokens + num_generated),
         )
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         prompt = request.prompt
@@ -107,7 +144,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _stream(self, merged: Prefetched[tuple[int, RequestOutput]], request_id: str, model_name: str,
                       n: int, num_prompts: int, num_prompt_tokens: int, include_usage: bool,
-                      as_ids: bool) -> AsyncIterator[str]:
+                      as_ids: bool, echo: _Echo | None) -> AsyncIterator[str]:
         created = int(time.time())
         states = [ChoiceState() for _ in range(num_prompts * n)]
 
@@ -117,12 +154,19 @@ class OpenAIServingCompletion(OpenAIServing):
 
         try:
             async for i, out in merged:
+                if echo is not None:
+                    echo.take(i, out)
                 for c in out.outputs:
                     index = i * n + c.index
+                    state = states[index]
                     delta_logprobs = CompletionLogprobs() if c.logprobs is not None else None
-                    _update(states[index], c, delta_logprobs, as_ids)
-                    if c.text or c.finish_reason is not None or (delta_logprobs and delta_logprobs.tokens):
-                        yield chunk([CompletionChoice(index=index, text=c.text, logprobs=delta_logprobs,
+                    num_texts = len(state.text)
+                    if echo is not None:
+                        c = _echo(echo, i, state, c, delta_logprobs, as_ids)
+                    _update(state, c, delta_logprobs, as_ids)
+                    text = "".join(state.text[num_texts:])  # the echoed prompt comes first
+                    if text or c.finish_reason is not None or (delta_logprobs and delta_logprobs.tokens):
+                        yield chunk([CompletionChoice(index=index, text=text, logprobs=delta_logprobs,
                                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
         except Exception as e:  # the status line is sent: the error goes in the stream
             yield sse(api_error_from(e).body())
@@ -146,10 +190,40 @@ def _update(state: ChoiceState, c: CompletionOutput, logprobs: CompletionLogprob
     if logprobs is None:
         return
     for token_id, entry in sampled_logprobs(c):
-        sampled = entry.get(token_id)
-        text = token_text(sampled, token_id, as_ids)
-        logprobs.tokens.append(text)
-        logprobs.token_logprobs.append(sampled.logprob if sampled is not None else None)
-        logprobs.top_logprobs.append({token_text(lp, tid, as_ids): lp.logprob for tid, lp in entry.items()})
-        logprobs.text_offset.append(state.text_offset)
-        state.text_offset += len(token_text(sampled, token_id))
+        _append_logprob(state, logprobs, token_id, entry, as_ids)
+
+
+def _append_logprob(state: ChoiceState, logprobs: CompletionLogprobs, token_id: int,
+                    entry: dict[int, Logprob], as_ids: bool) -> None:
+    sampled = entry.get(token_id)
+    logprobs.tokens.append(token_text(sampled, token_id, as_ids))
+    logprobs.token_logprobs.append(sampled.logprob if sampled is not None else None)
+    logprobs.top_logprobs.append({token_text(lp, tid, as_ids): lp.logprob for tid, lp in entry.items()})
+    logprobs.text_offset.append(state.text_offset)
+    state.text_offset += len(token_text(sampled, token_id))
+
+
+def _echo(echo: _Echo, i: int, state: ChoiceState, c: CompletionOutput, logprobs: CompletionLogprobs | None,
+          as_ids: bool) -> CompletionOutput:
+    """Put prompt ``i`` (and its logprobs) first in the choice on its first output; returns the
+    output to add after it (without its token when the prompt alone was asked for)."""
+    if not state.echoed:
+        state.echoed = True
+        state.text.append(echo.texts[i])
+        ids = echo.prompt_token_ids[i]
+        if logprobs is not None:
+            entries = echo.prompt_logprobs.get(i) or [None] * len(ids)
+            for token_id, entry in zip(ids, entries):
+                if entry is None:  # the first token: nothing precedes it, so it has no logprob
+                    text = echo.decode(token_id)
+                    logprobs.tokens.append(f"token_id:{token_id}" if as_ids else text)
+                    logprobs.token_logprobs.append(None)
+                    logprobs.top_logprobs.append(None)
+                    logprobs.text_offset.append(state.text_offset)
+                    state.text_offset += len(text)
+                else:
+                    _append_logprob(state, logprobs, token_id, entry, as_ids)
+    if not echo.only:
+        return c
+    return CompletionOutput(index=c.index, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                            finish_reason="length" if c.finish_reason is not None else None)

@@ -62,6 +62,8 @@ class ChoiceState:
     num_tokens: int = 0
     logprobs: list[Any] = field(default_factory=list)
     text_offset: int = 0
+    echoed: bool = False
+    """The prompt was put before the text (completions with ``echo``)."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -89,9 +91,6 @@ class OpenAIServing:
         if not self.engine_client.is_ready:
             raise APIError("the engine is not ready yet; retry when /health answers 200", status=503,
                            type="service_unavailable")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(request, name):
-                raise APIError(f"{name} is not supported by loom; use repetition_penalty", param=name)
         if request.logit_bias:
             raise APIError("logit_bias is not supported by loom", param="logit_bias")
         if request.model_extra:
@@ -116,7 +115,7 @@ class OpenAIServing:
         return requested
 
     def sampling_params(self, request: _SamplingRequest, max_tokens: int | None,
-                        logprobs: int | None) -> SamplingParams:
+                        logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         stop = request.stop
         try:
             return SamplingParams(
@@ -131,7 +130,10 @@ class OpenAIServing:
                 stop_token_ids=list(request.stop_token_ids or []),
                 ignore_eos=request.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                presence_penalty=request.presence_penalty or 0.0,
+                frequency_penalty=request.frequency_penalty or 0.0,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
             )
