@@ -1,0 +1,96 @@
+"""Compile every kernel launch of the wrappers for sm_90 (Hopper) without a GPU.
+
+The interpreter accepts code that the GPU compiler rejects (and the reverse), so off-GPU the
+tests also run this script in a fresh process without ``TRITON_INTERPRET``: each wrapper runs
+as usual, but ``JITFunction.run`` is replaced by "specialize the arguments as the launcher
+would, compile for sm_90, do not launch". Prints one line per compiled kernel; exits non-zero
+when a compilation fails.
+
+    python packages/platform-cuda/tests/kernels/compile_sm90.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("compile_sm90.py compiles for the GPU: run it without TRITON_INTERPRET")
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+try:
+    import loom_platform_cuda  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+from loom_platform_cuda import kernels as k  # noqa: E402
+from loom_platform_cuda.kernels import activation, attention, cache, layernorm, rotary  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+compiled: list[str] = []
+
+
+def compile_instead_of_launch(self: JITFunction, *args, grid, warmup, **kwargs):
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(self.signature, self.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
+    kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    consts = {self.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+    shown = {name: v for name, v in consts.items() if name.isupper()}
+    compiled.append(f"{self.__name__} shared={kernel.metadata.shared} {shown}")
+    print(compiled[-1], flush=True)
+    return kernel
+
+
+def paged_batch(requests: list[tuple[int, int]], h: int, hk: int, d: int, bs: int, dtype: torch.dtype):
+    blocks = sum(-(-ctx // bs) for ctx, _ in requests)
+    q_lens = torch.tensor([q for _, q in requests])
+    qsl = torch.zeros(len(requests) + 1, dtype=torch.int64)
+    qsl[1:] = q_lens.cumsum(0)
+    return dict(
+        query=torch.randn(int(qsl[-1]), h * d).to(dtype),
+        kv_cache=torch.zeros(2, blocks, bs, hk, d, dtype=dtype),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor([ctx for ctx, _ in requests]),
+        block_tables=torch.zeros(len(requests), blocks, dtype=torch.int64),
+        scale=d**-0.5, max_query_len=int(q_lens.max()), max_seq_len=max(ctx for ctx, _ in requests),
+    )
+
+
+def main() -> None:
+    JITFunction.run = compile_instead_of_launch
+    # The tensors here are CPU stand-ins that are never launched on: skip the CUDA-device check.
+    for module in (activation, attention, cache, layernorm, rotary):
+        module.check_device = lambda **tensors: None
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        b = paged_batch([(2048, 1)] * 4, 32, 8, 128, 16, dtype)
+        k.paged_attention(**b, num_splits=4)  # decode, split-K and its reduce
+        b = paged_batch([(2048, 512), (40, 1)], 32, 8, 128, 16, dtype)
+        k.paged_attention(**b)  # prefill tiling on a mixed batch
+    k.paged_attention(**paged_batch([(100, 1)] * 2, 12, 4, 80, 32, torch.bfloat16))  # group 3, head 80
+    k.paged_attention(**paged_batch([(100, 10)] * 2, 8, 8, 64, 32, torch.bfloat16))  # MHA
+
+    key = torch.randn(4, 8 * 128, dtype=torch.bfloat16)
+    k.reshape_and_cache(key, key, torch.zeros(2, 4, 16, 8, 128, dtype=torch.bfloat16), torch.arange(4))
+    x = torch.randn(4, 4096, dtype=torch.bfloat16)
+    w = torch.ones(4096, dtype=torch.bfloat16)
+    k.rms_norm(x, w, 1e-6)
+    k.rms_norm(x, w, 1e-6, x.clone())
+    k.rms_norm(x, w, 1e-6, x.clone(), max_block=1024)  # two passes
+    cos_sin = torch.randn(16, 128)
+    for neox in (True, False):
+        k.rotary_embedding(torch.arange(4), torch.randn(4, 32 * 128, dtype=torch.bfloat16),
+                           torch.randn(4, 8 * 128, dtype=torch.bfloat16), 128, cos_sin, neox)
+    k.silu_and_mul(torch.randn(4, 2 * 14336, dtype=torch.bfloat16))
+    print(f"compiled {len(compiled)} kernels for sm_90")
+
+
+if __name__ == "__main__":
+    main()
