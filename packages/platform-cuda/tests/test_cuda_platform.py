@@ -31,6 +31,7 @@ from loom_plugin_api import CustomOp, PlatformEnum
 from tiny_models import build_tiny_model
 
 BLOCK = 16
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
@@ -51,8 +52,8 @@ def test_identity_and_config_hooks():
     )
     CudaPlatform.check_and_update_config(config)
     assert config.parallel_config.worker_cls == "loom_platform_cuda.worker.CudaWorker"
-    config.model_config.get_head_size = lambda: 48
-    with pytest.raises(ValueError, match="head size 48"):
+    config.model_config.get_head_size = lambda: 100
+    with pytest.raises(ValueError, match="head size 100"):
         CudaPlatform.check_and_update_config(config)
     assert CudaPlatform.get_attn_backend_cls(None, None).endswith("TritonAttentionBackend")
     assert CudaPlatform.get_device_communicator_cls().endswith("NcclCommunicator")
@@ -71,21 +72,22 @@ def test_block_size_follows_the_backend():
 
 def test_kernel_overrides_run_under_forward_cuda(overrides):
     assert get_kernel_override("rms_norm") is kernels.rms_norm
+    dev = DEVICE
     torch.manual_seed(0)
-    norm = RMSNorm(64, eps=1e-5)
+    norm = RMSNorm(64, eps=1e-5).to(dev)
     norm.weight.data.uniform_(0.5, 1.5)
-    x, res = torch.randn(5, 64), torch.randn(5, 64)
+    x, res = torch.randn(5, 64, device=dev), torch.randn(5, 64, device=dev)
     torch.testing.assert_close(norm.forward_cuda(x), norm.forward_native(x), atol=1e-5, rtol=1e-5)
     out, new_res = norm.forward_cuda(x.clone(), res.clone())
     want, want_res = norm.forward_native(x, res)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(new_res, want_res)
     act = SiluAndMul()
-    y = torch.randn(5, 2 * 48)
+    y = torch.randn(5, 2 * 48, device=dev)
     torch.testing.assert_close(act.forward_cuda(y), act.forward_native(y), atol=1e-6, rtol=1e-5)
-    rope = get_rope(32, 32, 128, 10000.0, is_neox_style=True)
-    pos = torch.tensor([0, 3, 7, 100, 127])
-    q, k = torch.randn(5, 4 * 32), torch.randn(5, 2 * 32)
+    rope = get_rope(32, 32, 128, 10000.0, is_neox_style=True).to(dev)
+    pos = torch.tensor([0, 3, 7, 100, 127], device=dev)
+    q, k = torch.randn(5, 4 * 32, device=dev), torch.randn(5, 2 * 32, device=dev)
     want_q, want_k = rope.forward_native(pos, q, k)
     got_q, got_k = rope.forward_cuda(pos, q.clone(), k.clone())
     torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
@@ -94,8 +96,8 @@ def test_kernel_overrides_run_under_forward_cuda(overrides):
 
 def test_forward_cuda_without_overrides_is_native():
     clear_kernel_overrides()
-    norm = RMSNorm(16)
-    x = torch.randn(3, 16)
+    norm = RMSNorm(16).to(DEVICE)
+    x = torch.randn(3, 16, device=DEVICE)
     torch.testing.assert_close(norm.forward_cuda(x), norm.forward_native(x))
 
 
@@ -105,12 +107,18 @@ def tiny_llama(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("models") / "llama", "llama", tie=False)
 
 
+ON_GPU = DEVICE == "cuda"
+
+
 def _runner(tiny_llama, cuda_path: bool) -> ModelRunner:
     config = EngineArgs(model=str(tiny_llama), max_model_len=128, max_num_seqs=8, block_size=BLOCK,
-                        enforce_eager=not cuda_path).create_engine_config()
+                        dtype="float32", enforce_eager=not cuda_path).create_engine_config()
     model = get_model(config)
+    device = next(model.parameters()).device
     if not cuda_path:
-        runner = ModelRunner(config, model, torch.device("cpu"))
+        runner = ModelRunner(config, model, device)
+    elif ON_GPU:  # the CUDA platform built the model: Triton attention, forward_cuda ops
+        runner = CudaModelRunner(config, model, device)
     else:
         # What the CUDA platform builds, on CPU tensors: Triton attention, forward_cuda ops.
         for layer in model.modules():
@@ -119,16 +127,19 @@ def _runner(tiny_llama, cuda_path: bool) -> ModelRunner:
                                                  layer.num_kv_heads)
             if isinstance(layer, CustomOp):
                 layer._forward_method = layer.forward_cuda
-        runner = CudaModelRunner(config, model, torch.device("cpu"), graph_factory=EagerGraph)
+        runner = CudaModelRunner(config, model, device, graph_factory=EagerGraph)
     runner.initialize_cache(64)
     return runner
 
 
-def test_triton_attention_and_graph_replay_match_the_cpu_path(tiny_llama, overrides):
-    eager = _runner(tiny_llama, cuda_path=False)
+def test_triton_attention_and_graph_replay_match_a_reference(tiny_llama, overrides):
+    """Off the GPU the reference is loom's CPU path (torch SDPA, native ops) and the graphs
+    re-run the model; on a GPU it is the same CUDA model run eagerly, against real graphs."""
+    eager = _runner(tiny_llama, cuda_path=ON_GPU)  # records no graphs
     cuda = _runner(tiny_llama, cuda_path=True)
     cuda.capture_decode_graphs([1, 2, 4])
     assert sorted(cuda.graphs) == [1, 2, 4]
+    device = cuda.device
     prompts = {"a": list(range(10, 15)), "b": list(range(20, 37)), "c": list(range(40, 72))}  # 5, 17, 32 tokens
     blocks = {rid: list(range(i * 8, i * 8 + 8))[::-1] for i, rid in enumerate(prompts)}  # scattered, reversed
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -142,11 +153,11 @@ def test_triton_attention_and_graph_replay_match_the_cpu_path(tiny_llama, overri
     last: dict[str, int] = {}
     replays = 0
     for live in (["a", "b", "c"], ["a", "b", "c"], ["a", "b"], ["a", "c"]):  # graphs of 4, 4, 2, 2
-        inputs = prepare_inputs(step, BLOCK, torch.device("cpu"))
+        inputs = prepare_inputs(step, BLOCK, device)
         replays += cuda._graph_for(inputs) is not None
         with torch.inference_mode():
-            want = eager.run_model(inputs)
-            got = cuda.run_model(prepare_inputs(step, BLOCK, torch.device("cpu")))
+            want = eager.run_model(inputs).clone()
+            got = cuda.run_model(prepare_inputs(step, BLOCK, device))
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
         out = eager.execute_model(step)
         assert cuda.execute_model(step).sampled_token_ids == out.sampled_token_ids
