@@ -6,6 +6,8 @@ EOS ignored so every request makes exactly the output length). Models:
 * ``default``   the embedded SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to fp32)
 * ``opt-125m``  a random-weight model of OPT-125m's shape
 * ``opt-2m``    a 2M-parameter random OPT (the shape of the vLLM CPU reference figure)
+* ``smollm2-shape`` a random-weight Llama of SmolLM2-135M's shape (30 layers, 9/3 heads),
+  for machines the 98 MB GGUF cannot reach (bench/gpu_check.sh)
 
     python bench/offline_throughput.py --models default opt-125m
     python bench/offline_throughput.py --models opt-2m --num-prompts 200 --skip-hf
@@ -28,19 +30,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 SHAPES = {
     "opt-125m": dict(hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12),
     "opt-2m": dict(hidden_size=32, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4),
+    "smollm2-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                          max_position_embeddings=8192),
 }
+VOCAB = {"smollm2-shape": 49152}  # its vocabulary; the GPT-2 tokenizer covers ids below 50257
 
 
-def build_random_opt(name: str, root: str) -> str:
+def build_random_model(name: str, root: str) -> str:
+    """A random-weight model of one of ``SHAPES`` with GPT-2's tokenizer, saved under ``root``."""
     from tiny_models import gpt2_tokenizer
-    from transformers import OPTConfig, OPTForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     path = os.path.join(root, name)
     torch.manual_seed(0)
     shape = SHAPES[name]
-    config = OPTConfig(vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=shape["hidden_size"],
-                       **shape)
-    OPTForCausalLM(config).save_pretrained(path)
+    if name.startswith("opt"):
+        config = OPTConfig(vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=shape["hidden_size"],
+                           **shape)
+        OPTForCausalLM(config).save_pretrained(path)
+    else:
+        LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB[name], **shape)).save_pretrained(path)
     gpt2_tokenizer().save_pretrained(path)
     return path
 
@@ -107,8 +117,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         for name in args.models:
-            model = None if name == "default" else build_random_opt(name, root)
-            vocab = 49152 if name == "default" else 50272
+            model = None if name == "default" else build_random_model(name, root)
+            vocab = 49152 if name == "default" else VOCAB.get(name, 50272)
             prompts = workload(args.num_prompts, args.input_len, vocab, args.seed)
             elapsed, tokens = run_loom(model, prompts, args.output_len, args.dtype)
             loom_tps = tokens / elapsed

@@ -23,7 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _serve import start, stop, wait_healthy  # noqa: E402
-from offline_throughput import SHAPES, build_random_opt, run_loom, workload  # noqa: E402
+from offline_throughput import SHAPES, VOCAB, build_random_model, run_loom, workload  # noqa: E402
 
 
 def pct(values: list[float], p: float) -> float:
@@ -96,12 +96,12 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         if args.model in SHAPES:
-            model_path: str | None = build_random_opt(args.model, root)
+            model_path: str | None = build_random_model(args.model, root)
         elif args.model == "default":
             model_path = None
         else:
             model_path = args.model
-        vocab = 49152 if model_path is None else 50272
+        vocab = 49152 if model_path is None else VOCAB.get(args.model, 50272)
         prompts = workload(args.num_prompts, args.input_len, vocab, args.seed)
         served = args.served_model_name or (model_path or "SmolLM2-135M-Instruct")
         proc = None
