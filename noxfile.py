@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 import nox
@@ -53,7 +54,7 @@ CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests"
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 DIST = ROOT / "dist"
-# distribution -> source folder, in dependency order.
+# distribution -> source folder
 DISTRIBUTIONS = {
     "loom-plugin-api": "packages/plugin-api",
     "loom-engine": "packages/engine-core",
@@ -164,7 +165,13 @@ def tests_dummy(session: nox.Session) -> None:
 def wheels(session: nox.Session) -> None:
     """Build the five wheels into dist/."""
     for wheel in _build_wheels(session):
-        session.log(f"built {wheel.relative_to(ROOT)}")
+        with zipfile.ZipFile(wheel) as z:
+            names = z.namelist()
+        session.log(f"built {wheel.relative_to(ROOT)} ({len(names)} files)")
+        # A wheel built in place can pick up the source tree's bytecode caches.
+        cached = [n for n in names if "__pycache__/" in n or n.endswith(".pyc")]
+        if cached:
+            session.warn(f"{wheel.name} packs bytecode from the source tree: {', '.join(cached)}")
 
 
 @nox.session(name="install-cpu", reuse_venv=False)
