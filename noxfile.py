@@ -5,6 +5,10 @@
 * ``tests-cpu``     loom-plugin-api + loom-engine: the built-in CPU platform.
 * ``tests-dummy``   the same plus loom-platform-dummy and the tests/plugins packages: the
                     out-of-tree platform wins and the same suite must hold under it.
+* ``tests-cuda``    loom-platform-cuda: its Triton kernels against torch references over
+                    shapes and dtypes, its platform hooks, and its worker's attention backend
+                    and decode-graph replay against loom's CPU path. Without a GPU the kernels
+                    run in Triton's CPU interpreter (``TRITON_INTERPRET=1``); on a GPU natively.
 * ``wheels``        builds the five distributions' wheels into ``dist/`` (cleaned first):
                     proves each one builds as an operator's ``pip`` would build it.
 * ``install-cpu``   a fresh venv with only the loom-plugin-api, loom-engine and
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 import zipfile
 from pathlib import Path
@@ -38,7 +43,8 @@ import nox
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
-    "lint", "rust", "tests-cpu", "tests-dummy", "wheels", "install-cpu", "install-dummy", "install-cuda",
+    "lint", "rust", "tests-cpu", "tests-dummy", "tests-cuda", "wheels", "install-cpu", "install-dummy",
+    "install-cuda",
 ]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -157,8 +163,19 @@ def tests_dummy(session: nox.Session) -> None:
     )
 
 
-# tests-cuda goes here: the suite under loom-platform-cuda (it needs a GPU, so it stays
-# out of nox.options.sessions).
+@nox.session(name="tests-cuda")
+def tests_cuda(session: nox.Session) -> None:
+    """loom-platform-cuda: its Triton kernels against torch references, its platform hooks,
+    and its worker's attention backend and decode-graph replay against loom's CPU path. Without
+    a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1); on a GPU, natively."""
+    _install(session, "./packages/plugin-api", "./packages/engine-core", "./packages/platform-cuda")
+    session.run("pytest", "-q", "packages/platform-cuda/tests", "packages/engine-core/tests/test_cuda_detector.py",
+                *session.posargs, env={**ENV, "TRITON_INTERPRET": "1"} if not _has_gpu() else ENV)
+
+
+def _has_gpu() -> bool:
+    return shutil.which("nvidia-smi") is not None and subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True, check=False).returncode == 0
 
 
 @nox.session
@@ -171,7 +188,7 @@ def wheels(session: nox.Session) -> None:
         # A wheel built in place can pick up the source tree's bytecode caches.
         cached = [n for n in names if "__pycache__/" in n or n.endswith(".pyc")]
         if cached:
-            session.warn(f"{wheel.name} packs bytecode from the source tree: {', '.join(cached)}")
+            session.error(f"{wheel.name} packs bytecode from the source tree: {', '.join(cached)}")
 
 
 @nox.session(name="install-cpu", reuse_venv=False)
