@@ -27,6 +27,8 @@ from offline_throughput import SHAPES, VOCAB, build_random_model, run_loom, work
 
 
 def pct(values: list[float], p: float) -> float:
+    if not values:
+        return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
@@ -46,18 +48,17 @@ async def run_load(url: str, model: str, prompts: list[list[int]], output_len: i
         nonlocal tokens
         start = time.perf_counter()
         first = None
-        n = 0
+        n = 0  # this request's tokens (from its usage)
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=output_len, temperature=0, stream=True,
             extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
         )
         async for chunk in stream:
-            if chunk.choices and chunk.choices[0].text:
-                n += 1
-                if first is None:
-                    first = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text and first is None:
+                first = time.perf_counter()
             if chunk.usage is not None:
-                tokens += chunk.usage.completion_tokens
+                n = chunk.usage.completion_tokens
+                tokens += n
         end = time.perf_counter()
         if first is not None:
             ttft.append(first - start)
@@ -93,6 +94,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--compare-offline", action="store_true")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="an extra flag for loom serve, e.g. --serve-arg=--stream-interval=8 (repeatable)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
         if args.model in SHAPES:
@@ -109,7 +112,7 @@ def main() -> None:
         if url is None:
             serve_args = ([model_path] if model_path else []) + [
                 "--dtype", args.dtype, "-tp", str(args.tp),
-                "--max-model-len", str(max(512, args.input_len + args.output_len))]
+                "--max-model-len", str(max(512, args.input_len + args.output_len)), *args.serve_arg]
             proc, url, _ = start(serve_args, os.path.join(root, "serve.log"))
             wait_healthy(proc, url)
         async def warm_then_measure() -> dict[str, float]:
@@ -122,7 +125,7 @@ def main() -> None:
             if proc is not None:
                 stop(proc)
         print(f"workload: {args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
-              f"rate {args.request_rate}, TP {args.tp}, {args.dtype}")
+              f"rate {args.request_rate}, TP {args.tp}, {args.dtype} {' '.join(args.serve_arg)}")
         print(f"serve: {r['req_s']:.2f} req/s, {r['tok_s']:,.0f} output tok/s in {r['elapsed']:.1f} s")
         print(f"TTFT p50 {r['ttft_p50'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms; "
               f"TPOT p50 {r['tpot_p50'] * 1e3:.1f} ms, p99 {r['tpot_p99'] * 1e3:.1f} ms; "

@@ -47,6 +47,8 @@ def test_bad_flag_cli():
     assert proc.returncode == 2 and "invalid int value: 'many'" in proc.stderr
     proc = cli("generate", "hi", "--hf-overrides", "{not json")
     assert proc.returncode == 2 and "not valid JSON" in proc.stderr
+    proc = cli("serve", "--stream-interval", "0")
+    assert proc.returncode == 2 and "--stream-interval: expected a positive integer, got 0" in proc.stderr
 
 
 def test_malformed_model_dirs(tmp_path):

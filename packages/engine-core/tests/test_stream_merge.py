@@ -105,3 +105,25 @@ def test_a_reader_that_keeps_up_sees_every_delta():
 
     assert asyncio.run(run())[:3] == ["a", "b", "c"]
 
+
+
+def test_stream_interval_holds_deltas_until_enough_tokens():
+    async def run() -> list[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        client = _Client()
+        client.stream_interval = 3
+
+        async def produce() -> None:
+            for text in "abcdefg":
+                queue.put_nowait(_delta({0: text}))
+                await asyncio.sleep(0.005)
+            queue.put_nowait(_delta({0: ""}, finished=True))
+
+        task = asyncio.create_task(produce())
+        texts = [item.outputs[0].text async for item in client._stream("r", queue)]
+        await task
+        return texts
+
+    texts = asyncio.run(run())
+    assert "".join(texts) == "abcdefg"
+    assert all(len(t) >= 3 for t in texts[:-1]) and len(texts) <= 3

@@ -60,6 +60,9 @@ class RequestFailedError(EngineError):
 class EngineClient(abc.ABC):
     """What the OpenAI front end needs from an engine. All methods run on the event loop."""
 
+    stream_interval: int = 1
+    """Tokens per streamed delta at least (``--stream-interval``); the last delta may hold fewer."""
+
     config: LoomConfig
     tokenizer: Any
 
@@ -94,7 +97,8 @@ class EngineClient(abc.ABC):
         queue ends the stream with it. Leaving early aborts the request.
 
         Deltas that queued up while the reader was busy are yielded as one (``merge_deltas``),
-        so a loaded front end sends fewer, larger events instead of falling further behind.
+        so a loaded front end sends fewer, larger events instead of falling further behind;
+        with ``stream_interval`` N > 1 a delta also waits until it holds N tokens (or the end).
         """
         finished = False
         pending: RequestOutput | BaseException | None = None
@@ -105,8 +109,8 @@ class EngineClient(abc.ABC):
                 if isinstance(item, BaseException):
                     finished = True  # the engine has already dropped the request
                     raise item
-                while not item.finished and not queue.empty():
-                    more = queue.get_nowait()
+                while not item.finished and (not queue.empty() or _new_tokens(item) < self.stream_interval):
+                    more = queue.get_nowait() if not queue.empty() else await queue.get()
                     if isinstance(more, BaseException):
                         pending = more
                         break
@@ -364,3 +368,7 @@ def _put_all(loop: asyncio.AbstractEventLoop, items: list[tuple[_Stream, Any]]) 
         loop.call_soon_threadsafe(put)
     except RuntimeError:  # the loop is closed: nobody is listening any more
         pass
+
+
+def _new_tokens(output: RequestOutput) -> int:
+    return max((len(c.token_ids) for c in output.outputs), default=0)

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--grace-period", type=float, default=10.0)
+    parser.add_argument("--stream-interval", type=int, default=1)
     parser.add_argument("--chat-template", default=None, help="the template text (loom serve read and checked it)")
     args = parser.parse_args(argv)
 
@@ -65,6 +66,7 @@ async def _serve(config, tokenizer, channel, args: argparse.Namespace) -> None: 
         on_engine_ready=lambda: part_ready("engine"),
         on_shutdown=lambda: loop.call_soon_threadsafe(shutdown_event.set),
     )
+    client.stream_interval = args.stream_interval
     app = build_app(client, config.model_config.served_model_name, api_key=os.environ.get("LOOM_API_KEY"),
                     chat_template=args.chat_template)
     envs.enable_envs_cache()

@@ -40,6 +40,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None,
                    help="chat template for /v1/chat/completions instead of the tokenizer's: the path of a "
                         "Jinja file, or the template itself")
+    g.add_argument("--stream-interval", type=_positive_int, default=1,
+                   help="tokens per streamed event at least (default 1: every token); larger values "
+                        "send fewer, larger SSE events when many streams share a small machine")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def worker_env(env: dict[str, str], tp: int) -> dict[str, str]:
@@ -64,7 +77,8 @@ def build_plan(config: LoomConfig, args: argparse.Namespace) -> dict[str, Any]:
     tp = config.parallel_config.tensor_parallel_size
     wenv = worker_env(env, tp)
     frontend_argv = [python, "-m", "loom.entrypoints.frontend", "--host", args.host, "--port", str(args.port),
-                     "--grace-period", str(args.grace_period)]
+                     "--grace-period", str(args.grace_period),
+                     "--stream-interval", str(getattr(args, "stream_interval", 1))]
     chat_template = getattr(args, "chat_template", None)
     if chat_template is not None:
         # The template text, read and checked once here (plan_from_args): the front end takes it as is.
