@@ -85,3 +85,17 @@ def test_detector_naming_a_non_platform_class(tmp_path):
     assert last.startswith("loom: error: platform plugin oot_odd named 'collections.OrderedDict'")
     assert "not a loom_plugin_api.Platform subclass" in last
     assert proc.stderr.count("Platform detector oot_odd:") == 1  # resolution ran once
+
+
+def test_out_of_tree_platform_wins_over_an_answering_cuda_detector(tmp_path):
+    """On a GPU host with loom-platform-cuda, an installed out-of-tree platform still wins."""
+    write_fake_dist(tmp_path, "fake-oot", {GROUP: {"oot_one": "fakeplat:answers"}}, "fakeplat", SOURCE)
+    code = ("import loom.platforms as p\n"
+            "p.builtin_platform_plugins['cuda'] = lambda: 'loom.platforms.cpu.CpuPlatform'  # a GPU 'is there'\n"
+            "p.current_platform\n"
+            "print('ANSWERED', sorted(v.name for v in p.detector_verdicts() if v.answer))\n"
+            "print('WON', [v.name for v in p.detector_verdicts() if v.won])")
+    proc = run_python(code, tmp_path, env={"LOOM_PLUGINS": "oot_one"})
+    assert proc.returncode == 0, proc.stderr
+    assert "ANSWERED ['cpu', 'cuda', 'oot_one']" in proc.stdout
+    assert "WON ['oot_one']" in proc.stdout
