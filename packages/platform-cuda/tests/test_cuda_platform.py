@@ -170,3 +170,18 @@ def test_triton_attention_and_graph_replay_match_a_reference(tiny_llama, overrid
             for r in live
         ])
     assert replays == 3  # the prefill ran eagerly, every decode step replayed a graph
+
+
+def test_profile_run_runs_the_largest_step_and_frees_its_cache(tiny_llama):
+    config = EngineArgs(model=str(tiny_llama), max_model_len=128, max_num_batched_tokens=300,
+                        block_size=BLOCK).create_engine_config()
+    model = get_model(config)
+    runner = CudaModelRunner(config, model, next(model.parameters()).device)
+    calls = []
+    run_model = runner.run_model
+    runner.run_model = lambda inputs: calls.append(inputs.attn_metadata) or run_model(inputs)
+    with torch.inference_mode():
+        runner.profile_run()
+    (md,) = calls
+    assert md.num_tokens == 300 and md.query_lens == [128, 128, 44]  # the token budget, as prefills
+    assert all(layer.kv_cache.numel() == 0 for layer in runner.attn_layers)

@@ -9,6 +9,7 @@ unless ``--enforce-eager``, records the decode steps as CUDA graphs.
 from __future__ import annotations
 
 import torch
+from loom.distributed.parallel_state import init_distributed_environment
 from loom.logger import init_logger
 from loom.platforms import current_platform
 from loom_plugin_api import WorkerBase
@@ -35,16 +36,8 @@ class CudaWorker(WorkerBase):
         self.device = torch.device("cuda", self.local_rank)
         current_platform.set_device(self.device)
         current_platform.seed_everything(self.config.model_config.seed)
-        tp = self.config.parallel_config.tensor_parallel_size
-        if tp > 1:
-            import torch.distributed as dist
-            from loom.distributed.parallel_state import initialize_model_parallel
-
-            dist.init_process_group(
-                current_platform.dist_backend, init_method=self.distributed_init_method,
-                world_size=tp, rank=self.rank, device_id=self.device,
-            )
-            initialize_model_parallel(tp)
+        init_distributed_environment(self.config.parallel_config.tensor_parallel_size, self.rank,
+                                     self.distributed_init_method, current_platform.dist_backend, self.device)
         name = torch.cuda.get_device_name(self.device)
         logger.info("Worker rank %d initialized device %s (%s)", self.rank, self.device, name)
 

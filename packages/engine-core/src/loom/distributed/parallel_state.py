@@ -43,6 +43,20 @@ _SINGLE = TensorParallelGroup(world_size=1, rank=0)
 _TP: TensorParallelGroup | None = None
 
 
+def init_distributed_environment(
+    world_size: int, rank: int, init_method: str | None, backend: str, device: torch.device | None = None,
+) -> None:
+    """Join the ``torch.distributed`` group of a serve's workers and record the TP group
+    (a worker's ``init_device`` calls it; nothing happens for a single rank)."""
+    if world_size == 1:
+        return
+    import torch.distributed as dist
+
+    kwargs = {"device_id": device} if device is not None else {}
+    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
+    initialize_model_parallel(world_size)
+
+
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, communicator_cls: str | None = None) -> None:
     """Record this process's tensor-parallel group (once per worker, after ``init_process_group``).
 

@@ -8,6 +8,7 @@ import torch
 from loom_plugin_api import WorkerBase
 
 from .. import envs
+from ..distributed.parallel_state import init_distributed_environment
 from ..logger import init_logger
 from ..platforms import current_platform
 from .model_runner import ModelRunner
@@ -38,17 +39,8 @@ class CPUWorker(WorkerBase):
         self.device = torch.device(current_platform.device_type)
         current_platform.set_device(self.device)
         current_platform.seed_everything(self.config.model_config.seed)
-        tp = self.config.parallel_config.tensor_parallel_size
-        if tp > 1:
-            import torch.distributed as dist
-
-            from ..distributed.parallel_state import initialize_model_parallel
-
-            dist.init_process_group(
-                current_platform.dist_backend, init_method=self.distributed_init_method,
-                world_size=tp, rank=self.rank,
-            )
-            initialize_model_parallel(tp)
+        init_distributed_environment(self.config.parallel_config.tensor_parallel_size, self.rank,
+                                     self.distributed_init_method, current_platform.dist_backend)
         logger.info("Worker rank %d initialized device %s", self.rank, self.device)
 
     def load_model(self) -> None:
