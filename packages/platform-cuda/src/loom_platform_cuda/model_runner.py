@@ -21,7 +21,9 @@ from typing import Any
 import torch
 from loom.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from loom.forward_context import set_forward_context
+from loom.layers.sampler import SamplingMetadata
 from loom.logger import init_logger
+from loom.sampling_params import SamplingParams
 from loom.worker.input_batch import ModelInput, prepare_inputs
 from loom.worker.model_runner import ModelRunner
 from loom_plugin_api import AttentionMetadata
@@ -40,7 +42,8 @@ class CudaGraph:
         self.output: torch.Tensor | None = None
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> None:
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # thread_local: NCCL's watchdog thread may query events while a TP>1 step records.
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             self.output = fn()
 
     def replay(self) -> torch.Tensor:
@@ -86,7 +89,7 @@ class _StaticInputs:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.int64, device=device)
 
-        return cls(zeros(batch), zeros(batch), zeros(batch), zeros(batch), zeros(batch, max_blocks),
+        return cls(zeros(batch), zeros(batch), zeros(batch), zeros(batch) + 1, zeros(batch, max_blocks),
                    torch.arange(batch + 1, dtype=torch.int64, device=device))
 
     def metadata(self, batch: int, block_size: int, max_seq_len: int) -> AttentionMetadata:
@@ -104,15 +107,19 @@ class CudaModelRunner(ModelRunner):
     def __init__(self, config: Any, model: torch.nn.Module, device: torch.device,
                  graph_factory: Callable[[Any], Any] | None = None) -> None:
         super().__init__(config, model, device)
+        # One LM-head matmul and an argmax beat the chunked, launch-bound argmax on a GPU
+        # (about 375 small kernels per step for a 128k vocabulary).
+        self._fused_greedy = None
         self.graph_factory = graph_factory or CudaGraph
         self.graphs: dict[int, tuple[Any, AttentionMetadata]] = {}
         self.static: _StaticInputs | None = None
 
     # ---- memory profiling ----------------------------------------------------------------
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self) -> int:
         """Run the largest step the scheduler can make (its token budget as prefills, then
-        the logits of ``max_num_seqs`` rows) so that the allocator's peak is known."""
+        sampling with top-k/top-p/logprobs over ``max_num_seqs`` rows) so that the allocator's
+        peak is known. Returns the bytes of the temporary KV cache it used (and freed)."""
         sched = self.config.scheduler_config
         block_size = self.config.cache_config.block_size
         max_len = int(self.config.model_config.max_model_len)
@@ -128,10 +135,14 @@ class CudaModelRunner(ModelRunner):
             next_block += nb
         inputs = prepare_inputs(SchedulerOutput(scheduled=scheduled), block_size, self.device)
         hidden = self.run_model(inputs)
-        rows = hidden[-1:].expand(min(sched.max_num_seqs, hidden.shape[0] * 64), -1)
-        self.model.compute_logits(rows).float()  # the sampler's input at its largest
+        rows = sched.max_num_seqs
+        logits = self.model.compute_logits(hidden[-1:].expand(rows, -1)).float()  # the sampler's input at its largest
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=20)
+        self.sampler(logits, SamplingMetadata.from_requests([params] * rows, [None] * rows, [0] * rows, None, None))
+        del hidden, logits
         for layer in self.attn_layers:
             layer.kv_cache = torch.empty(0, device=self.device)
+        return blocks * self.kv_cache_block_bytes()
 
     # ---- graphs --------------------------------------------------------------------------
     @torch.inference_mode()

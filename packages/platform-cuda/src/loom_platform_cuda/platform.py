@@ -60,9 +60,17 @@ class CudaPlatform(Platform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         """Install the Triton kernels behind loom's ``forward_cuda`` (RMSNorm, RoPE, SiLU)."""
+        import shutil
+
         from loom.layers.kernels import register_kernel_override
 
         from . import kernels
+
+        # Triton builds a small C launcher the first time a kernel runs: fail now, with the reason.
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        if not compiler:
+            raise RuntimeError("loom's CUDA platform needs a C compiler for Triton's kernel launcher: install gcc "
+                               "or clang (and the Python headers), or set CC")
 
         register_kernel_override("rms_norm", kernels.rms_norm)
         register_kernel_override("rotary_embedding", kernels.rotary_embedding)

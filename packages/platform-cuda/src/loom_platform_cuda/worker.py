@@ -54,15 +54,18 @@ class CudaWorker(WorkerBase):
             return fixed
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        allocated = torch.cuda.memory_allocated(self.device)
-        self.model_runner.profile_run()
+        profile_kv = self.model_runner.profile_run()  # its KV cache is freed again: not activations
         torch.cuda.synchronize(self.device)
-        activation_peak = torch.cuda.max_memory_allocated(self.device) - allocated
+        activation_peak = (torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+                           - profile_kv)
         torch.cuda.empty_cache()
+        # Measured after the profile step, so lazily made state (cuBLAS handles, NCCL buffers,
+        # Triton modules) counts: weights, CUDA context, other processes on this GPU.
+        free, total = torch.cuda.mem_get_info(self.device)
+        in_use = total - free
         utilization = self.config.cache_config.gpu_memory_utilization
-        in_use = total - free  # weights, CUDA context, NCCL and other processes on this GPU
-        budget = int(total * utilization) - in_use - activation_peak - _GRAPH_RESERVE_BYTES
+        reserve = 0 if self.config.compilation_config.enforce_eager else _GRAPH_RESERVE_BYTES
+        budget = int(total * utilization) - in_use - max(activation_peak, 0) - reserve
         logger.info(
             "Worker rank %d memory: %.0f MiB total, %.0f MiB in use after loading, %.0f MiB activation peak; "
             "%.0f MiB for the KV cache at --gpu-memory-utilization %.2f",
@@ -89,3 +92,9 @@ class CudaWorker(WorkerBase):
     def execute_model(self, scheduler_output):  # type: ignore[no-untyped-def]
         output = self.model_runner.execute_model(scheduler_output)
         return output if self.is_driver_worker else None
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -103,8 +103,13 @@ def _paged_attn_kernel(
         q = q.to(tl.float32)
 
     # This program's keys: its split of the context, cut after the tile's last token.
-    kv_lo = split * partition_size
-    kv_hi = tl.minimum(kv_lo + partition_size, prefix + tl.minimum(tile_start + BLOCK_Q, q_len))
+    if IS_DECODE and NUM_SPLITS > 1:
+        # split this row's own context evenly: the launch (a recorded graph's) stays fixed
+        part = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    else:
+        part = partition_size
+    kv_lo = split * part
+    kv_hi = tl.minimum(kv_lo + part, prefix + tl.minimum(tile_start + BLOCK_Q, q_len))
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
