@@ -242,12 +242,13 @@ def _apply_top_k_top_p(
     vocab = logits.shape[1]
     device = logits.device
     if top_p is None:
-        # top-k alone: a partial topk is much cheaper than a full sort.
-        k = top_k.to(device)
-        on = (k > 0) & (k < vocab)
-        if not bool(on.any()):
+        # top-k alone: a partial topk is much cheaper than a full sort. top_k is built on the
+        # host: deciding there costs no device sync.
+        on_host = (top_k > 0) & (top_k < vocab)
+        if not bool(on_host.any()):
             return logits
-        max_k = int(k[on].max())
+        max_k = int(top_k[on_host].max())
+        k, on = top_k.to(device), on_host.to(device)
         top_vals = logits.topk(max_k, dim=-1).values
         kth = top_vals.gather(1, (k.clamp(1, max_k) - 1).unsqueeze(1))
         kth = torch.where(on.unsqueeze(1), kth, float("-inf"))
