@@ -3,8 +3,10 @@
 The interpreter accepts code that the GPU compiler rejects (and the reverse), so off-GPU the
 tests also run this script in a fresh process without ``TRITON_INTERPRET``: each wrapper runs
 as usual, but ``JITFunction.run`` is replaced by "specialize the arguments as the launcher
-would, compile for sm_90, do not launch". Prints one line per compiled kernel; exits non-zero
-when a compilation fails.
+would, compile for sm_90, do not launch". Launches are keyed as ``JITFunction.run`` keys its
+cache, so a launch that a GPU would serve from a compiled variant reuses it here too, and the
+script checks that attention's split count does not compile a variant per value. Prints one
+line per compiled kernel; exits non-zero when a compilation or that check fails.
 
     python packages/platform-cuda/tests/kernels/compile_sm90.py
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -22,7 +25,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
 try:
     import loom_platform_cuda  # noqa: F401
@@ -36,12 +39,27 @@ TARGET = GPUTarget("cuda", 90, 32)
 compiled: list[str] = []
 
 
+@dataclass(frozen=True, slots=True)
+class Launch:
+    kernel: str
+    key: str  # Triton's cache key: one compiled variant per distinct key
+    args: dict
+
+
+launches: list[Launch] = []
+variants: dict[tuple[str, str], object] = {}  # (kernel, key) -> compiled kernel
+
+
 def compile_instead_of_launch(self: JITFunction, *args, grid, warmup, **kwargs):
     backend = make_backend(TARGET)
     binder = create_function_from_signature(self.signature, self.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
+    launches.append(Launch(self.__name__, compute_cache_key({}, specialization, options), dict(bound_args)))
+    if (self.__name__, launches[-1].key) in variants:
+        return variants[self.__name__, launches[-1].key]
     options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound_args, specialization, options)
     kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    variants[self.__name__, launches[-1].key] = kernel
     consts = {self.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
     shown = {name: v for name, v in consts.items() if name.isupper()}
     compiled.append(f"{self.__name__} shared={kernel.metadata.shared} {shown}")
@@ -64,6 +82,30 @@ def paged_batch(requests: list[tuple[int, int]], h: int, hk: int, d: int, bs: in
     )
 
 
+def check_split_counts_share_variants() -> None:
+    """The split heuristic picks dozens of counts in a serve: each must not compile a new variant."""
+    for name, requests in [("decode", [(2048, 1)] * 2), ("prefill", [(2048, 64), (300, 1)])]:
+        first = len(launches)
+        for n in (2, 3, 5, 17):  # 17 splits of 2048 keys become 16: Triton specializes multiples of 16
+            b = paged_batch(requests, 32, 8, 128, 16, torch.bfloat16)
+            # the block table's width follows the batch too (decode: 256 = 16 * 16, 257, 259, 271 columns)
+            b["block_tables"] = torch.zeros(len(requests), b["block_tables"].shape[1] + n - 2, dtype=torch.int64)
+            k.paged_attention(**b, num_splits=n)
+        attn = [x for x in launches[first:] if x.kernel == "_paged_attn_kernel"]
+        reduce = [x for x in launches[first:] if x.kernel == "_reduce_splits_kernel"]
+        counts = sorted({x.args["num_splits"] for x in attn})
+        blocks = {x.args["BLOCK_S"] for x in reduce}
+        if len(counts) != 4 or len(reduce) != 4:
+            sys.exit(f"{name}: expected 4 split launches with distinct counts, got counts {counts}")
+        if len({x.key for x in attn}) != 1:
+            sys.exit(f"{name}: split counts {counts} compile {len({x.key for x in attn})} variants of "
+                     f"_paged_attn_kernel, expected 1")
+        if len({x.key for x in reduce}) != len(blocks):
+            sys.exit(f"{name}: split counts {counts} compile {len({x.key for x in reduce})} variants of "
+                     f"_reduce_splits_kernel, expected one per BLOCK_S in {sorted(blocks)}")
+        print(f"{name}: split counts {counts} share 1 attention variant and {len(blocks)} reduce variants")
+
+
 def main() -> None:
     JITFunction.run = compile_instead_of_launch
     # The tensors here are CPU stand-ins that are never launched on: skip the CUDA-device check.
@@ -76,6 +118,7 @@ def main() -> None:
         k.paged_attention(**b)  # prefill tiling on a mixed batch
     k.paged_attention(**paged_batch([(100, 1)] * 2, 12, 4, 80, 32, torch.bfloat16))  # group 3, head 80
     k.paged_attention(**paged_batch([(100, 10)] * 2, 8, 8, 64, 32, torch.bfloat16))  # MHA
+    check_split_counts_share_variants()
 
     key = torch.randn(4, 8 * 128, dtype=torch.bfloat16)
     k.reshape_and_cache(key, key, torch.zeros(2, 4, 16, 8, 128, dtype=torch.bfloat16), torch.arange(4))
@@ -89,7 +132,7 @@ def main() -> None:
         k.rotary_embedding(torch.arange(4), torch.randn(4, 32 * 128, dtype=torch.bfloat16),
                            torch.randn(4, 8 * 128, dtype=torch.bfloat16), 128, cos_sin, neox)
     k.silu_and_mul(torch.randn(4, 2 * 14336, dtype=torch.bfloat16))
-    print(f"compiled {len(compiled)} kernels for sm_90")
+    print(f"compiled {len(compiled)} kernels for sm_90 ({len(launches)} launches)")
 
 
 if __name__ == "__main__":

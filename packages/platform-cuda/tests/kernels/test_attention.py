@@ -10,7 +10,7 @@ from loom_platform_cuda.kernels import (
     paged_attention_prefill,
     reshape_and_cache,
 )
-from loom_platform_cuda.kernels.attention import _num_splits
+from loom_platform_cuda.kernels.attention import _num_splits, _plan
 from loom_platform_cuda.kernels.reference import paged_attention_ref
 
 # (num_heads, num_kv_heads, head_size, block_size)
@@ -62,6 +62,21 @@ def test_decode_split_context_matches_reference(dtype, num_splits):
     # the short requests leave later splits empty; the long one spans them all
     b = build_paged_batch([(300, 1), (5, 1), (129, 1)], num_heads=8, num_kv_heads=2, head_size=64,
                           block_size=16, dtype=dtype)
+    out = paged_attention_decode(b.query, b.kv_cache, b.seq_lens, b.block_tables, b.scale, b.max_seq_len,
+                                 num_splits=num_splits)
+    assert_close(out, _reference(b), ATTENTION_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_decode_odd_split_count_matches_reference(dtype, num_splits):
+    # 1300 keys (not a multiple of BLOCK_N = 64) in 7 splits of 192, the last one short; the
+    # shorter rows split their own context, so most of their splits are empty
+    b = build_paged_batch([(1300, 1), (100, 1), (77, 1)], num_heads=8, num_kv_heads=2, head_size=64,
+                          block_size=16, dtype=dtype)
+    plan = _plan(decode=True, group=4, head_size=64, num_reqs=3, num_kv_heads=2, max_query_len=1,
+                 max_seq_len=b.max_seq_len, num_splits=num_splits, sm_count=1)
+    assert plan.num_splits == num_splits  # the launch keeps the odd count
     out = paged_attention_decode(b.query, b.kv_cache, b.seq_lens, b.block_tables, b.scale, b.max_seq_len,
                                  num_splits=num_splits)
     assert_close(out, _reference(b), ATTENTION_TOL[dtype])

@@ -6,9 +6,11 @@ head r % G), so each K/V tile is loaded once for the whole group. The program wa
 context through the block table BLOCK_N keys at a time with an online softmax in fp32.
 
 Decode (one token per request) uses one token per tile and may split the context across
-NUM_SPLITS programs (flash-decoding) when the batch alone does not fill the GPU; each split
+``num_splits`` programs (flash-decoding) when the batch alone does not fill the GPU; each split
 writes a normalized partial output and its log-sum-exp, and ``_reduce_splits_kernel``
-merges them.
+merges them. The split count is a runtime argument, not a constexpr: the launch heuristic
+picks dozens of values across batch sizes and context lengths, and a constexpr would compile
+a new variant of both kernels, seconds each on a GPU, the first time a serve meets each one.
 
 Causal rule: new token j of a request with context L and q new tokens sits at position
 L - q + j and sees keys at positions <= its own. The new tokens' K/V must already be in
@@ -37,32 +39,39 @@ from ._common import (
 __all__ = ["paged_attention", "paged_attention_decode", "paged_attention_prefill"]
 
 _LOG2E = 1.4426950408889634
+# The reduce kernel's BLOCK_S is next_pow2(num_splits) but at least this, so the heuristic's
+# split counts (at most _MAX_SPLITS) share four variants; masked lanes cost next to nothing.
+_MIN_REDUCE_BLOCK_S = 8
 # Splits are only worth their reduce pass when each one still reads this many keys.
 _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 
 
-@triton.jit
+# Arguments that change from step to step are left unspecialized: Triton would otherwise compile
+# one variant for 1, one for multiples of 16 and one for the rest. The block table's width (its
+# row stride) follows the batch's longest context in eager steps.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attn_kernel(
     q_ptr,  # (T, H*D)
     cache_ptr,  # (2, num_blocks, block_size, Hk, D)
     block_tables_ptr,  # (num_reqs, max_blocks)
     seq_lens_ptr,  # (num_reqs,)
     query_start_loc_ptr,  # (num_reqs + 1,); unused when IS_DECODE
-    out_ptr,  # (T, H*D); written when NUM_SPLITS == 1
-    part_out_ptr,  # (T, H, NUM_SPLITS, D) fp32; written when NUM_SPLITS > 1
-    part_lse_ptr,  # (T, H, NUM_SPLITS) fp32, log2 units
+    out_ptr,  # (T, H*D); written when not SPLIT
+    part_out_ptr,  # (T, H, num_splits, D) fp32; written when SPLIT
+    part_lse_ptr,  # (T, H, num_splits) fp32, log2 units
     scale_log2,  # softmax scale * log2(e)
     stride_q_t, stride_o_t,
     stride_c_kv, stride_c_blk, stride_c_off, stride_c_h,
     stride_bt,
     block_size,
-    partition_size,  # keys per split, a multiple of BLOCK_N
+    partition_size,  # keys per split, a multiple of BLOCK_N; unused when decoding with SPLIT
+    num_splits,  # programs per tile along the context; 1 unless SPLIT
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_SIZE: tl.constexpr,
     IS_DECODE: tl.constexpr,  # one new token per request: token index == request index
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for _reduce_splits_kernel
     BLOCK_Q: tl.constexpr,  # new tokens per tile
     BLOCK_M: tl.constexpr,  # rows per tile >= BLOCK_Q * GROUP, a power of two >= 16
     BLOCK_N: tl.constexpr,  # keys per step
@@ -72,8 +81,12 @@ def _paged_attn_kernel(
 ):
     req = tl.program_id(0)
     kvh = tl.program_id(1)
-    tile = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    if SPLIT:
+        tile = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+    else:
+        tile = tl.program_id(2)
+        split = 0
 
     if IS_DECODE:
         q_start = req.to(tl.int64)
@@ -103,9 +116,9 @@ def _paged_attn_kernel(
         q = q.to(tl.float32)
 
     # This program's keys: its split of the context, cut after the tile's last token.
-    if IS_DECODE and NUM_SPLITS > 1:
+    if IS_DECODE and SPLIT:
         # split this row's own context evenly: the launch (a recorded graph's) stays fixed
-        part = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        part = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     else:
         part = partition_size
     kv_lo = split * part
@@ -142,29 +155,30 @@ def _paged_attn_kernel(
         m_i = m_new
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_ptrs = out_ptr + t_idx[:, None] * stride_o_t + head[:, None] * HEAD_SIZE + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        part = (t_idx * NUM_HEADS + head) * NUM_SPLITS + split  # (BLOCK_M,)
+        part = (t_idx * NUM_HEADS + head) * num_splits + split  # (BLOCK_M,)
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + d[None, :], o, mask=q_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@triton.jit
+# num_reqs and num_splits change from step to step (see above).
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _reduce_splits_kernel(
-    part_out_ptr,  # (T, H, NUM_SPLITS, D) fp32
-    part_lse_ptr,  # (T, H, NUM_SPLITS) fp32, log2 units
+    part_out_ptr,  # (T, H, num_splits, D) fp32
+    part_lse_ptr,  # (T, H, num_splits) fp32, log2 units
     out_ptr,  # (T, H*D)
     query_start_loc_ptr,  # (num_reqs + 1,); unused when IS_DECODE
     num_reqs,
+    num_splits,
     stride_o_t,
     NUM_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     IS_DECODE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # next_pow2(NUM_SPLITS)
+    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two: a few buckets, not one per count
     BLOCK_D: tl.constexpr,
 ):
     # one program per (token, head)
@@ -176,8 +190,8 @@ def _reduce_splits_kernel(
             return
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_ok = s < NUM_SPLITS
-    part = (t * NUM_HEADS + h) * NUM_SPLITS + s  # (BLOCK_S,)
+    s_ok = s < num_splits
+    part = (t * NUM_HEADS + h) * num_splits + s  # (BLOCK_S,)
     lse = tl.load(part_lse_ptr + part, mask=s_ok, other=float("-inf"))
     # Split 0 always holds key 0, which every token sees, so the max is finite.
     w = tl.math.exp2(lse - tl.max(lse, 0))  # (BLOCK_S,)
@@ -322,7 +336,8 @@ def _run(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         block_size, plan.partition_size,
-        NUM_HEADS=h, GROUP=h // hk, HEAD_SIZE=d, IS_DECODE=decode, NUM_SPLITS=plan.num_splits,
+        plan.num_splits,
+        NUM_HEADS=h, GROUP=h // hk, HEAD_SIZE=d, IS_DECODE=decode, SPLIT=plan.num_splits > 1,
         BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_D=next_pow2(d),
         DOT_FP32=INTERPRETING, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
@@ -330,9 +345,9 @@ def _run(
     if plan.num_splits > 1:
         rows = t if not decode else num_reqs
         _reduce_splits_kernel[(rows, h)](
-            part_out, part_lse, out, qsl, num_reqs, out.stride(0),
-            NUM_HEADS=h, HEAD_SIZE=d, IS_DECODE=decode, NUM_SPLITS=plan.num_splits,
-            BLOCK_S=next_pow2(plan.num_splits), BLOCK_D=next_pow2(d),
+            part_out, part_lse, out, qsl, num_reqs, plan.num_splits, out.stride(0),
+            NUM_HEADS=h, HEAD_SIZE=d, IS_DECODE=decode,
+            BLOCK_S=max(_MIN_REDUCE_BLOCK_S, next_pow2(plan.num_splits)), BLOCK_D=next_pow2(d),
         )
     return out
 
