@@ -3,7 +3,7 @@
 #
 #   here:   bash bench/gpu_wheels.sh   # .whl/: what `loom serve` needs beyond the image's
 #                                      # torch/triton/transformers, and the supervisor for 3.12
-#   there:  bash bench/gpu_check.sh    # with .whl carried; about 6 minutes, 8 at most
+#   there:  bash bench/gpu_check.sh    # with .whl carried; step time limits add up to 7.5 minutes
 #
 # 1. the CUDA platform's tests on the GPU (kernels against torch, the worker's graphs);
 # 2. bench/kernels.py (achieved GB/s and TFLOP/s against the device's peak and torch);
@@ -41,11 +41,11 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, keep a summary row
 nvidia-smi -L | tee "$OUT/env.log"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   | tee -a "$OUT/env.log"
-run platform-tests 200 "$PY" -m pytest -q -p no:cacheprovider packages/platform-cuda/tests
-run kernels-bench 150 "$PY" bench/kernels.py
-run serve-opt-125m 150 "$PY" bench/serve_throughput.py --model opt-125m --dtype bfloat16 \
+run platform-tests 120 "$PY" -m pytest -q -p no:cacheprovider packages/platform-cuda/tests
+run kernels-bench 100 "$PY" bench/kernels.py
+run serve-opt-125m 130 "$PY" bench/serve_throughput.py --model opt-125m --dtype bfloat16 \
   --num-prompts 256 --input-len 128 --output-len 128 --compare-offline
-run serve-smollm2-shape 120 "$PY" bench/serve_throughput.py --model smollm2-shape --dtype bfloat16 \
+run serve-smollm2-shape 100 "$PY" bench/serve_throughput.py --model smollm2-shape --dtype bfloat16 \
   --num-prompts 256 --input-len 128 --output-len 128
 
 echo

@@ -77,3 +77,16 @@ def test_hf_config_defaults_and_rope_forms(tmp_path):
     assert not hasattr(cfg, "rope_theta")  # a default would shadow transformers 5's rope_parameters
     assert HFConfig({"model_type": "opt"}).do_layer_norm_before is True
     assert HFConfig({"model_type": "something_else"}).tie_word_embeddings is True
+
+
+def test_generation_tag_renders_like_the_cli_accepts_it(tiny_llama):
+    from loom.entrypoints.chat_utils import load_chat_template
+
+    template = load_chat_template(
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}A: {{ m['content'] }}"
+        "{% endgeneration %}{% else %}U: {{ m['content'] }}{% endif %}\n{% endfor %}")
+    text = FastTokenizer(str(tiny_llama)).apply_chat_template(CONVERSATION[1:3], chat_template=template,
+                                                              tokenize=False)
+    assert text == "U: What is the capital of France?A: Paris."  # trim_blocks eats the newlines
+    theirs = AutoTokenizer.from_pretrained(str(tiny_llama))
+    assert text == theirs.apply_chat_template(CONVERSATION[1:3], chat_template=template, tokenize=False)

@@ -109,7 +109,9 @@ class EngineClient(abc.ABC):
                 if isinstance(item, BaseException):
                     finished = True  # the engine has already dropped the request
                     raise item
-                while not item.finished and (not queue.empty() or _new_tokens(item) < self.stream_interval):
+                while not item.finished and (
+                    not queue.empty() or (self.stream_interval > 1 and _new_tokens(item) < self.stream_interval)
+                ):
                     more = queue.get_nowait() if not queue.empty() else await queue.get()
                     if isinstance(more, BaseException):
                         pending = more

@@ -40,25 +40,11 @@ def load_chat_template(value: str | None) -> str | None:
 
 def _check_syntax(text: str, source: str) -> None:
     import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    class _GenerationTag(Extension):
-        # transformers' {% generation %}...{% endgeneration %} (assistant-mask templates); parsed only.
-        tags = {"generation"}
+    from ..transformers_utils.fast_tokenizer import compile_chat_template
 
-        def parse(self, parser):  # type: ignore[no-untyped-def]
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body).set_lineno(lineno)
-
-    # The environment transformers renders chat templates in.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
-    )
     try:
-        env.from_string(text)
+        compile_chat_template(text)  # the environment the front end renders it in
     except jinja2.TemplateSyntaxError as e:  # unknown filters and tests too (TemplateAssertionError)
         raise ValueError(
             f"--chat-template: {source} does not parse as a Jinja template: line {e.lineno}: {e.message}"

@@ -78,8 +78,8 @@ def build_plan(config: LoomConfig, args: argparse.Namespace) -> dict[str, Any]:
     wenv = worker_env(env, tp)
     frontend_argv = [python, "-m", "loom.entrypoints.frontend", "--host", args.host, "--port", str(args.port),
                      "--grace-period", str(args.grace_period),
-                     "--stream-interval", str(getattr(args, "stream_interval", 1))]
-    chat_template = getattr(args, "chat_template", None)
+                     "--stream-interval", str(args.stream_interval)]
+    chat_template = args.chat_template
     if chat_template is not None:
         # The template text, read and checked once here (plan_from_args): the front end takes it as is.
         frontend_argv += ["--chat-template", chat_template]

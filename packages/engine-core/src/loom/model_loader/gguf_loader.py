@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
+    from ..transformers_utils.fast_tokenizer import FastTokenizer
+
 logger = init_logger(__name__)
 
 __all__ = [
@@ -387,9 +389,9 @@ def load_gguf_config(path: str, cache_root: str | None = None) -> HFConfig:
     return HFConfig.from_json_file(os.path.join(cache_dir, "config.json"))
 
 
-def get_gguf_tokenizer(path: str, cache_root: str | None = None) -> PreTrainedTokenizerFast:
-    """The tokenizer described by a GGUF file's ``tokenizer.ggml.*`` metadata (cached)."""
-    from transformers import PreTrainedTokenizerFast
+def get_gguf_tokenizer(path: str, cache_root: str | None = None) -> FastTokenizer:
+    """The tokenizer described by a GGUF file's ``tokenizer.ggml.*`` metadata (cached), as
+    loom loads it: ``FastTokenizer`` over the cached ``tokenizer.json``."""
+    from ..transformers_utils.fast_tokenizer import FastTokenizer
 
-    cache_dir = ensure_gguf_cache(path, cache_root)
-    return PreTrainedTokenizerFast.from_pretrained(cache_dir, local_files_only=True)
+    return FastTokenizer(ensure_gguf_cache(path, cache_root))

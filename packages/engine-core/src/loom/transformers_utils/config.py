@@ -110,9 +110,9 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
 def get_hf_config(path: str, model_format: str) -> HFConfig:
     """The config of the model at ``path`` (a GGUF file is converted into the cache once)."""
     if model_format == "gguf":
-        from ..model_loader.gguf_loader import ensure_gguf_cache
+        from ..model_loader.gguf_loader import load_gguf_config
 
-        path = ensure_gguf_cache(path)
+        return load_gguf_config(path)
     try:
         return HFConfig.from_json_file(os.path.join(path, "config.json"))
     except (OSError, ValueError) as e:

@@ -19,7 +19,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-__all__ = ["FastTokenizer"]
+__all__ = ["FastTokenizer", "compile_chat_template"]
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -44,11 +44,23 @@ def _read_chat_template(path: str, config: dict[str, Any]) -> str | None:
 
 
 @lru_cache(maxsize=16)
-def _compile(template: str) -> Any:
-    """Compile a chat template the way transformers does (sandboxed, trimmed blocks)."""
+def compile_chat_template(template: str) -> Any:
+    """Compile a chat template the way transformers does (sandboxed, trimmed blocks, its
+    ``{% generation %}`` tag and helpers). Raises ``jinja2.TemplateSyntaxError``."""
+    from jinja2 import nodes
     from jinja2.exceptions import TemplateError
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        # {% generation %}...{% endgeneration %} marks assistant text for training masks;
+        # rendering keeps what it encloses.
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
@@ -60,7 +72,8 @@ def _compile(template: str) -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -167,7 +180,7 @@ class FastTokenizer:
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("this tokenizer has no chat template; pass chat_template=...")
-        text = _compile(template).render(
+        text = compile_chat_template(template).render(
             messages=conversation, add_generation_prompt=add_generation_prompt,
             **self.special_tokens_map, **kwargs,
         )

@@ -45,7 +45,7 @@ def get_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     if model_config.tokenizer:
         return _from_hf_dir(os.path.abspath(os.path.expanduser(model_config.tokenizer)))
     if model_config.model_format == "gguf":
-        from ..model_loader.gguf_loader import ensure_gguf_cache
+        from ..model_loader.gguf_loader import get_gguf_tokenizer
 
-        return _from_hf_dir(ensure_gguf_cache(model_config.model_path))
+        return get_gguf_tokenizer(model_config.model_path)
     return _from_hf_dir(model_config.model_path)
