@@ -196,24 +196,81 @@ mod tests {
         assert!(text.contains("stopped the other process;"), "{text}");
     }
 
+    /// Every field of the PEER_DIED body, decoded as the lead decodes it: a map of exactly
+    /// these keys, nil where a value does not apply.
+    #[derive(Debug, PartialEq, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Body {
+        role: String,
+        rank: u32,
+        pid: u32,
+        exit_code: Option<i32>,
+        signal: Option<String>,
+        phase: String,
+        reason: String,
+        stderr_tail: Vec<String>,
+    }
+
+    fn decode(who: &Who, cause: Cause, phase: Phase, tail: &[String]) -> Body {
+        let bytes = peer_died_body(who, &Failure { idx: 3, cause, phase }, tail);
+        rmp_serde::from_slice(&bytes).unwrap()
+    }
+
     #[test]
-    fn peer_died_body_is_a_map() {
-        #[derive(serde::Deserialize)]
-        struct Body {
-            role: String,
-            rank: u32,
-            pid: u32,
-            exit_code: Option<i32>,
-            signal: Option<String>,
-            phase: String,
-            stderr_tail: Vec<String>,
-        }
-        let failure = Failure { idx: 3, cause: Cause::Exited(Exit::Code(3)), phase: Phase::Running };
-        let bytes = peer_died_body(&who(), &failure, &["x".to_string()]);
-        let body: Body = rmp_serde::from_slice(&bytes).unwrap();
-        assert_eq!((body.role.as_str(), body.rank, body.pid), ("worker", 1, 4242));
-        assert_eq!((body.exit_code, body.signal), (Some(3), None));
-        assert_eq!(body.phase, "running");
-        assert_eq!(body.stderr_tail, vec!["x"]);
+    fn peer_died_body_of_an_exit_code() {
+        let body = decode(&who(), Cause::Exited(Exit::Code(3)), Phase::Running, &["x".to_string()]);
+        assert_eq!(
+            body,
+            Body {
+                role: "worker".into(),
+                rank: 1,
+                pid: 4242,
+                exit_code: Some(3),
+                signal: None,
+                phase: "running".into(),
+                reason: "worker:1 exited with code 3".into(),
+                stderr_tail: vec!["x".into()],
+            }
+        );
+    }
+
+    #[test]
+    fn peer_died_body_of_a_signal() {
+        let who = Who { address: Address::EngineCore, role: Role::EngineCore, rank: 0, pid: 77 };
+        let tail = vec!["loading".to_string(), "Segmentation fault".to_string()];
+        let body = decode(&who, Cause::Exited(Exit::Signal(libc::SIGSEGV)), Phase::Config, &tail);
+        assert_eq!(
+            body,
+            Body {
+                role: "engine_core".into(),
+                rank: 0,
+                pid: 77,
+                exit_code: None,
+                signal: Some("SIGSEGV".into()),
+                phase: "config".into(),
+                reason: "engine_core was killed by SIGSEGV".into(),
+                stderr_tail: tail,
+            }
+        );
+    }
+
+    #[test]
+    fn peer_died_body_of_a_deadline_or_a_bad_hello_has_neither_code_nor_signal() {
+        let deadline = Cause::Deadline { phase: Phase::Hello, timeout: Duration::from_secs(2) };
+        let body = decode(&who(), deadline, Phase::Hello, &[]);
+        assert_eq!((body.exit_code, body.signal, body.phase.as_str()), (None, None, "hello"));
+        assert_eq!(body.reason, "worker:1 missed its start-up deadline: did not take its CONFIG within 2 s");
+        assert!(body.stderr_tail.is_empty());
+        let body = decode(&who(), Cause::BadHello("it speaks protocol version 9".into()), Phase::Spawned, &[]);
+        assert_eq!((body.exit_code, body.signal, body.phase.as_str()), (None, None, "spawned"));
+        assert_eq!(body.reason, "worker:1 was stopped at HELLO: it speaks protocol version 9");
+    }
+
+    #[test]
+    fn peer_died_body_names_every_phase() {
+        let phases = [Phase::Spawned, Phase::Hello, Phase::Config, Phase::Ready, Phase::Running];
+        let names: Vec<String> =
+            phases.iter().map(|&p| decode(&who(), Cause::Exited(Exit::Code(1)), p, &[]).phase).collect();
+        assert_eq!(names, ["spawned", "hello", "config", "ready", "running"]);
     }
 }

@@ -1,11 +1,18 @@
 //! The supervisor end to end with shell children (no Python needed): failure reports,
-//! start-up deadlines, the stop sequence and the run directory's removal.
+//! start-up deadlines, the stop sequence and the run directory's removal. Where a child
+//! must speak the protocol (the lead that receives PEER_DIED), it is this test binary run
+//! again as `lead_child_process`.
 
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use loom_supervisor::frame::{self, Header};
 use loom_supervisor::logs::ConsoleThread;
-use loom_supervisor::{supervise, Error, Outcome, Plan};
-use serde::Serialize;
+use loom_supervisor::{supervise, Error, Outcome, Plan, PROTOCOL_VERSION};
+use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 #[derive(Serialize)]
@@ -13,6 +20,7 @@ struct Proc {
     role: &'static str,
     rank: u32,
     argv: Vec<String>,
+    env: BTreeMap<String, String>,
 }
 
 #[derive(Serialize)]
@@ -23,7 +31,7 @@ struct Doc {
 }
 
 fn sh(role: &'static str, rank: u32, script: &str) -> Proc {
-    Proc { role, rank, argv: vec!["/bin/sh".into(), "-c".into(), script.into()] }
+    Proc { role, rank, argv: vec!["/bin/sh".into(), "-c".into(), script.into()], env: BTreeMap::new() }
 }
 
 fn plan(processes: Vec<Proc>, startup_timeout_s: f64, grace_period_s: f64) -> Plan {
@@ -124,7 +132,10 @@ fn a_child_that_ignores_sigterm_is_killed_after_the_grace_period() {
 #[test]
 fn a_program_that_cannot_start_is_an_error() {
     let plan = plan(
-        vec![sh("frontend", 0, SLEEPER), Proc { role: "worker", rank: 0, argv: vec!["/nonexistent/python".into()] }],
+        vec![
+            sh("frontend", 0, SLEEPER),
+            Proc { role: "worker", rank: 0, argv: vec!["/nonexistent/python".into()], env: BTreeMap::new() },
+        ],
         30.0,
         1.0,
     );
@@ -133,4 +144,141 @@ fn a_program_that_cannot_start_is_an_error() {
     assert!(matches!(err, Error::Spawn { .. }), "{err}");
     assert!(err.to_string().contains("worker:0"), "{err}");
     assert!(took < Duration::from_secs(5), "the frontend was not stopped: {took:?}");
+}
+
+// ---- PEER_DIED, as the lead receives it ----------------------------------------------------
+
+/// Set in the lead child's environment: where it writes the PEER_DIED body it receives.
+/// `<path>.ready` appears once it has sent READY, so a peer may die while it listens.
+const LEAD_OUT: &str = "SUPERVISE_TEST_LEAD_OUT";
+
+/// A PEER_DIED body as the lead decodes it: exactly these keys.
+#[derive(Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PeerDied {
+    role: String,
+    rank: u32,
+    pid: u32,
+    exit_code: Option<i32>,
+    signal: Option<String>,
+    phase: String,
+    reason: String,
+    stderr_tail: Vec<String>,
+}
+
+/// Not a test of its own: the entry point of the lead child that the PEER_DIED tests spawn
+/// (this binary, filtered to this name). Run by the harness directly, it does nothing.
+#[test]
+fn lead_child_process() {
+    let Some(out) = std::env::var_os(LEAD_OUT) else { return };
+    let out = PathBuf::from(out);
+    let mut sock = UnixStream::connect(std::env::var("LOOM_SUPERVISOR_SOCKET").unwrap()).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    #[derive(Serialize)]
+    struct Hello {
+        role: &'static str,
+        rank: u32,
+        pid: u32,
+        protocol_version: u32,
+    }
+    let hello = Hello { role: "frontend", rank: 0, pid: std::process::id(), protocol_version: PROTOCOL_VERSION };
+    let send = |sock: &mut UnixStream, kind: &str, body: &[u8]| {
+        sock.write_all(&frame::encode(PROTOCOL_VERSION, "frontend", "supervisor", kind, body).unwrap()).unwrap();
+    };
+    send(&mut sock, "HELLO", &rmp_serde::to_vec_named(&hello).unwrap());
+    assert_eq!(read_frame(&mut sock).0.kind, "CONFIG");
+    send(&mut sock, "READY", b"");
+    std::fs::write(out.with_extension("ready"), b"").unwrap();
+    loop {
+        let (header, payload) = read_frame(&mut sock);
+        if header.kind == "PEER_DIED" {
+            assert_eq!(header.src, "supervisor");
+            let partial = out.with_extension("partial");
+            std::fs::write(&partial, &payload[header.body.clone()]).unwrap();
+            std::fs::rename(partial, &out).unwrap();
+            std::process::exit(0);
+        }
+    }
+}
+
+fn read_frame(sock: &mut UnixStream) -> (Header, Vec<u8>) {
+    let mut len = [0u8; 4];
+    sock.read_exact(&mut len).unwrap();
+    let mut payload = vec![0u8; u32::from_be_bytes(len) as usize];
+    sock.read_exact(&mut payload).unwrap();
+    (Header::parse(&payload).unwrap(), payload)
+}
+
+/// Runs a lead child and `peer` (a shell script started once the lead is ready), and
+/// returns the PEER_DIED body the lead received, the report, and the peer's pid.
+fn peer_died(peer_role: &'static str, peer_rank: u32, peer_script: &str) -> (PeerDied, String, u32) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("peer_died.msgpack");
+    let ready = out.with_extension("ready");
+    let exe = std::env::current_exe().unwrap().to_string_lossy().into_owned();
+    let lead = Proc {
+        role: "frontend",
+        rank: 0,
+        argv: [exe.as_str(), "lead_child_process", "--exact", "--nocapture", "--test-threads", "1", "-q"]
+            .map(String::from)
+            .to_vec(),
+        env: BTreeMap::from([(LEAD_OUT.to_string(), out.to_string_lossy().into_owned())]),
+    };
+    // The peer waits (up to 20 s) for the lead to listen: a lead still starting hears nothing.
+    let wait = format!(
+        "i=0; while [ ! -e '{}' ]; do i=$((i+1)); [ $i -gt 2000 ] && exit 99; sleep 0.01; done; {peer_script}",
+        ready.display()
+    );
+    let mut peer = sh(peer_role, peer_rank, &wait);
+    peer.env.insert("PATH".into(), "/usr/bin:/bin".into());
+    let (outcome, _) = run(plan(vec![lead, peer], 30.0, 2.0), None);
+    let outcome = outcome.unwrap();
+    let report = outcome.report.unwrap();
+    assert_eq!(outcome.code, 1, "{report}");
+    let bytes = std::fs::read(&out).unwrap_or_else(|e| panic!("the lead got no PEER_DIED ({e}):\n{report}"));
+    let address = if peer_role == "worker" { format!("worker:{peer_rank}") } else { peer_role.to_string() };
+    let pid = pid_in(&report, &address);
+    (rmp_serde::from_slice(&bytes).unwrap(), report, pid)
+}
+
+/// The pid the report gives for `address`: "loom-supervisor: worker:1 (pid 123) ...".
+fn pid_in(report: &str, address: &str) -> u32 {
+    let start = format!("loom-supervisor: {address} (pid ");
+    let at = report.find(&start).unwrap_or_else(|| panic!("no {start:?} in {report}")) + start.len();
+    report[at..].split(')').next().unwrap().parse().unwrap()
+}
+
+#[test]
+fn peer_died_tells_the_lead_about_a_signal() {
+    let script = "ulimit -c 0; echo 'loading' >&2; echo 'about to fault' >&2; kill -SEGV $$";
+    let (body, report, pid) = peer_died("worker", 1, script);
+    assert!(report.contains("was killed by SIGSEGV"), "{report}");
+    let expected = PeerDied {
+        role: "worker".into(),
+        rank: 1,
+        pid,
+        exit_code: None,
+        signal: Some("SIGSEGV".into()),
+        phase: "spawned".into(),
+        reason: "worker:1 was killed by SIGSEGV".into(),
+        stderr_tail: vec!["loading".into(), "about to fault".into()],
+    };
+    assert_eq!(body, expected);
+}
+
+#[test]
+fn peer_died_tells_the_lead_about_an_exit_code() {
+    let (body, report, pid) = peer_died("engine_core", 0, "echo 'ValueError: boom' >&2; exit 7");
+    assert!(report.contains("exited with code 7"), "{report}");
+    let expected = PeerDied {
+        role: "engine_core".into(),
+        rank: 0,
+        pid,
+        exit_code: Some(7),
+        signal: None,
+        phase: "spawned".into(),
+        reason: "engine_core exited with code 7".into(),
+        stderr_tail: vec!["ValueError: boom".into()],
+    };
+    assert_eq!(body, expected);
 }

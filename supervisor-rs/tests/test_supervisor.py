@@ -7,6 +7,7 @@ tests can signal and SIGKILL it; one test runs ``loom_supervisor.run`` in-proces
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -25,12 +26,22 @@ from loom_supervisor import client
 # One script for every child; BEHAVIOUR (from the plan's env) picks what it does.
 CHILD = textwrap.dedent(
     """
-    import os, sys, time
+    import json, os, signal, sys, time
     from loom_supervisor import client
 
     behaviour = os.environ["BEHAVIOUR"]
     role, rank = os.environ["LOOM_ROLE"], int(os.environ["LOOM_RANK"])
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    frontend_listens = os.path.join(here, "frontend.listens")  # written once the frontend sent READY
+
+    def wait_for_file(path, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                log(f"{path} did not appear in {timeout} s")
+                sys.exit(98)
+            time.sleep(0.01)
 
     if behaviour == "crash_before_hello":
         log("loading weights")
@@ -39,13 +50,18 @@ CHILD = textwrap.dedent(
     conn = client.connect()
     config = conn.hello(protocol_version=int(os.environ.get("HELLO_VERSION", "1")))
     assert config == b"CFG", config
-    if behaviour == "crash_after_hello" and role == "worker" and rank == 1:
+    if behaviour in ("crash_after_hello", "killed_after_hello") and role == "worker" and rank == 1:
         log("INFO loading model")
-        time.sleep(0.5)  # let the frontend connect: it is told about the crash
+        wait_for_file(frontend_listens)  # a frontend still starting is not told about the crash
+        if behaviour == "killed_after_hello":
+            log("out of memory")
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("weights file is corrupt")
     if behaviour == "hang_before_ready" and role == "worker":
         time.sleep(60)
     conn.ready()
+    if role == "frontend":
+        open(frontend_listens, "w").close()
 
     def block():  # until the supervisor stops us
         while True:
@@ -84,7 +100,7 @@ CHILD = textwrap.dedent(
         log("relay ok")
         sys.exit(0)
 
-    if behaviour in ("serve", "crash_after_hello", "hang_before_ready"):
+    if behaviour in ("serve", "crash_after_hello", "killed_after_hello", "hang_before_ready"):
         if role != "frontend":
             block()
         while True:
@@ -93,10 +109,11 @@ CHILD = textwrap.dedent(
                 log("draining")
                 sys.exit(0)
             if frame.kind == client.PEER_DIED:
-                died = client.decode_body(frame)
-                log(f"PEER_DIED {died['role']} {died['rank']} {died['phase']} {died['exit_code']} "
-                    f"{(died['stderr_tail'] or [''])[-1]}")
-                time.sleep(0.2)
+                assert frame.src == client.SUPERVISOR, frame
+                with open(os.path.join(here, "peer_died.json.partial"), "w") as f:
+                    json.dump(client.decode_body(frame), f)
+                os.rename(os.path.join(here, "peer_died.json.partial"), os.path.join(here, "peer_died.json"))
+                log("PEER_DIED received")
                 sys.exit(0)
 
     if behaviour == "finish":
@@ -270,17 +287,31 @@ def test_stop_signal_drains_the_frontend_and_exits_0(child: Path, tmp_path: Path
     assert list((tmp_path / "xdg").iterdir()) == []
 
 
-def test_a_crash_during_start_up_is_reported_with_its_phase(child: Path, tmp_path: Path) -> None:
-    serve = Serve(make_plan(child, "crash_after_hello", FOUR), tmp_path / "xdg")
+@pytest.mark.parametrize(("behaviour", "ended", "exit_code", "sig", "last_line"), [
+    ("crash_after_hello", "exited with code 1", 1, None, "RuntimeError: weights file is corrupt"),
+    ("killed_after_hello", "was killed by SIGKILL", None, "SIGKILL", "out of memory"),
+])
+def test_a_crash_during_start_up_is_reported_with_its_phase(
+    child: Path, tmp_path: Path, behaviour: str, ended: str, exit_code: int | None, sig: str | None, last_line: str,
+) -> None:
+    serve = Serve(make_plan(child, behaviour, FOUR), tmp_path / "xdg")
     assert serve.finish() == 1, serve.text
     text = serve.text
-    assert re.search(r"worker:1 \(pid \d+\) exited with code 1 in start-up phase 'config'", text), text
-    assert re.search(r"role: worker, rank: 1, pid: \d+", text), text
-    assert "| RuntimeError: weights file is corrupt" in text
+    found = re.search(rf"worker:1 \(pid (\d+)\) {ended} in start-up phase 'config'", text)
+    assert found, text
+    pid = int(found[1])
+    assert f"role: worker, rank: 1, pid: {pid}" in text
+    assert f"| {last_line}" in text
     assert "| INFO loading model" in text
     assert "stopped the other 3 processes; exiting with code 1" in text
     # The frontend heard about it first, with the same facts.
-    assert "[frontend] PEER_DIED worker 1 config 1 RuntimeError: weights file is corrupt" in text
+    assert "[frontend] PEER_DIED received" in text
+    died = json.loads((child.parent / "peer_died.json").read_text())
+    assert died == {
+        "role": "worker", "rank": 1, "pid": pid, "exit_code": exit_code, "signal": sig, "phase": "config",
+        "reason": f"worker:1 {ended}", "stderr_tail": died["stderr_tail"],
+    }
+    assert died["stderr_tail"][0] == "INFO loading model" and died["stderr_tail"][-1] == last_line
     # The report comes last, in one piece.
     assert text.rstrip().endswith("exiting with code 1")
     assert list((tmp_path / "xdg").iterdir()) == []
