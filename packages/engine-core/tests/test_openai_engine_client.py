@@ -115,20 +115,20 @@ def test_leaving_the_stream_aborts_and_external_abort_ends_it() -> None:
             await asyncio.sleep(0.01)
         left_after_close = client.engine.has_unfinished_requests()
 
-        async def abort_soon():
-            await asyncio.sleep(0.05)
-            await client.abort("other")
-
-        task = asyncio.create_task(abort_soon())
-        outs = await collect(client, "other", SamplingParams(max_tokens=50))
-        await task
+        outs = []
+        async for out in client.generate("other", None, [1, 2], SamplingParams(max_tokens=50)):
+            if not outs:  # in flight (it has a token, 49 to go): abort it from outside the stream
+                await client.abort("other")
+            outs.append(out)
         await client.shutdown()
         return first, left_after_close, outs
 
     first, left_after_close, outs = asyncio.run(main())
     assert first.outputs[0].token_ids
     assert not left_after_close
-    assert outs[-1].finished and sum(len(c.token_ids) for o in outs for c in o.outputs) < 50
+    assert not outs[0].finished
+    assert outs[-1].finished  # the abort ends the stream (a final output with no completion)
+    assert sum(len(c.token_ids) for o in outs for c in o.outputs) < 50
 
 
 def test_engine_rejection_is_a_value_error() -> None:

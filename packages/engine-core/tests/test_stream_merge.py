@@ -87,43 +87,51 @@ def test_an_error_after_queued_deltas_comes_after_them():
     assert seen == ["ab"] and isinstance(error, RequestFailedError)
 
 
+class _WatchedQueue(asyncio.Queue):
+    """A queue that says when its reader is blocked waiting for the next item."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reader_waiting = asyncio.Event()
+
+    async def get(self):
+        if self.empty():
+            self.reader_waiting.set()
+        return await super().get()
+
+
+async def _feed_one_at_a_time(queue: _WatchedQueue, texts: str) -> None:
+    """Put each delta only once the reader is blocked on the queue, so none can queue up."""
+    for text in texts:
+        await queue.reader_waiting.wait()
+        queue.reader_waiting.clear()
+        queue.put_nowait(_delta({0: text}))
+    await queue.reader_waiting.wait()
+    queue.put_nowait(_delta({0: ""}, finished=True))
+
+
 def test_a_reader_that_keeps_up_sees_every_delta():
     async def run() -> list[str]:
-        queue: asyncio.Queue = asyncio.Queue()
-        client = _Client()
-
-        async def produce() -> None:
-            for text in "abc":
-                queue.put_nowait(_delta({0: text}))
-                await asyncio.sleep(0.01)
-            queue.put_nowait(_delta({0: ""}, finished=True))
-
-        task = asyncio.create_task(produce())
-        texts = [item.outputs[0].text async for item in client._stream("r", queue)]
+        queue = _WatchedQueue()
+        task = asyncio.create_task(_feed_one_at_a_time(queue, "abc"))
+        texts = [item.outputs[0].text async for item in _Client()._stream("r", queue)]
         await task
         return texts
 
-    assert asyncio.run(run())[:3] == ["a", "b", "c"]
-
+    assert asyncio.run(run()) == ["a", "b", "c", ""]
 
 
 def test_stream_interval_holds_deltas_until_enough_tokens():
-    async def run() -> list[str]:
-        queue: asyncio.Queue = asyncio.Queue()
+    async def run() -> list[RequestOutput]:
+        queue = _WatchedQueue()
         client = _Client()
         client.stream_interval = 3
-
-        async def produce() -> None:
-            for text in "abcdefg":
-                queue.put_nowait(_delta({0: text}))
-                await asyncio.sleep(0.005)
-            queue.put_nowait(_delta({0: ""}, finished=True))
-
-        task = asyncio.create_task(produce())
-        texts = [item.outputs[0].text async for item in client._stream("r", queue)]
+        task = asyncio.create_task(_feed_one_at_a_time(queue, "abcdefg"))
+        items = [item async for item in client._stream("r", queue)]
         await task
-        return texts
+        return items
 
-    texts = asyncio.run(run())
-    assert "".join(texts) == "abcdefg"
-    assert all(len(t) >= 3 for t in texts[:-1]) and len(texts) <= 3
+    items = asyncio.run(run())
+    # every delta arrived alone; the interval, not a backlog, grouped them by three
+    assert [item.outputs[0].text for item in items] == ["abc", "def", "g"]
+    assert [item.finished for item in items] == [False, False, True]
