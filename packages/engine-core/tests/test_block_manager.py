@@ -140,3 +140,13 @@ def test_hash_collision_is_not_a_hit():
     bm._hash_blocks(b, 1)
     b.block_hashes[0] = a.block_hashes[0]  # force a collision
     assert bm.get_computed_blocks(b) == ([], 0)
+
+
+def test_block_hash_depends_on_the_prefix_before_it():
+    """A block equal to another request's block, but after a different prefix, holds other K/V."""
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    a = make_request([1, 1, 1, 1, 2, 2, 2, 2, 0], "a")  # blocks A, B
+    c = make_request([3, 3, 3, 3, 4, 4, 4, 4, 0], "c")  # blocks C, D
+    assert schedule_prompt(bm, a) and schedule_prompt(bm, c)
+    b = make_request([3, 3, 3, 3, 2, 2, 2, 2, 0], "b")  # C, then B's tokens after C, not after A
+    assert bm.get_computed_blocks(b) == ([c.block_ids[0]], 4)

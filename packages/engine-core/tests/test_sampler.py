@@ -209,3 +209,60 @@ def test_output_penalty_ranges(name):
             SamplingParams(**{name: value})
     with pytest.raises(ValueError, match=f"{name} must be a number"):
         SamplingParams(**{name: "1"})
+
+
+MIXED_ROWS = [  # each row its own temperature, top-k, top-p, penalties and seed
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.2, frequency_penalty=0.5,
+                   presence_penalty=0.3, seed=11),
+    SamplingParams(temperature=1.3, top_p=0.6, presence_penalty=1.0, seed=12),
+    SamplingParams(temperature=1.0, top_k=20, repetition_penalty=1.5, frequency_penalty=1.0, seed=13),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.2, seed=14),
+    SamplingParams(temperature=2.0, top_k=3, top_p=0.95, repetition_penalty=0.8, frequency_penalty=-0.5,
+                   presence_penalty=-0.5, seed=15),
+    SamplingParams(temperature=0.9, top_k=8, top_p=0.5, frequency_penalty=1.5, seed=16),
+]
+
+
+def _decode(rows: list[int], steps: int) -> list[list[int]]:
+    """``steps`` decode steps of the given rows of MIXED_ROWS batched together; each row's tokens."""
+    params = [MIXED_ROWS[r] for r in rows]
+    gens = [gen(p.seed) for p in params]
+    prompts = [[r, r + 1, 2 * r + 7] for r in rows]
+    outputs: list[list[int]] = [[] for _ in rows]
+    for step in range(steps):
+        logits = random_logits(len(MIXED_ROWS), seed=100 + step)[rows]
+        md = SamplingMetadata.from_requests(params, gens, [len(o) for o in outputs], EOS,
+                                            [p + o for p, o in zip(prompts, outputs)], outputs)
+        tokens, _ = Sampler()(logits, md)
+        for out, token in zip(outputs, tokens):
+            out.append(token)
+    return outputs
+
+
+def test_mixed_batch_rows_sample_as_if_alone():
+    batch = _decode(list(range(len(MIXED_ROWS))), steps=30)
+    for row in range(len(MIXED_ROWS)):
+        assert batch[row] == _decode([row], steps=30)[0], f"row {row} differs from the row run alone"
+    assert all(len(set(tokens)) > 1 for tokens in batch)  # the penalties move every row off one token
+
+
+def test_repetition_penalty_rows_with_seen_lists_of_different_lengths():
+    logits = torch.zeros(3, V)
+    logits[:, 1:6] = torch.tensor([4.0, -2.0, 3.0, 1.0, 2.5])
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, repetition_penalty=4.0)]
+    md = SamplingMetadata.from_requests(params, [None] * 3, [0] * 3, EOS, [[3], [1, 2], [1, 2, 4, 5]])
+    out = logits.clone()
+    tokens, _ = Sampler()(out, md)
+    assert out[0, 1:6].tolist() == [4.0, -2.0, 1.5, 1.0, 2.5]  # only token 3 was seen
+    assert out[1, 1:6].tolist() == [4.0, -2.0, 3.0, 1.0, 2.5]  # no penalty
+    assert out[2, 1:6].tolist() == [1.0, -8.0, 3.0, 0.25, 0.625]
+    assert tokens == [1, 1, 3]
+
+
+def test_min_tokens_ignores_stop_ids_outside_the_vocabulary():
+    logits = torch.zeros(1, V)
+    logits[0, EOS] = 10.0
+    logits[0, 9] = 5.0
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[V, V + 7])]
+    assert sample(logits, params, num_output=[0])[0] == [9]  # EOS masked, the stop ids can't occur

@@ -6,7 +6,7 @@ from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.block_manager import BlockManager
 from loom.engine.request import Request, RequestStatus
 from loom.engine.scheduler import Scheduler
-from loom.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loom.engine.scheduler_output import ModelRunnerOutput, PromptLogprobs, SampledLogprobs, SchedulerOutput
 from loom.sampling_params import SamplingParams
 
 BS = 4
@@ -226,3 +226,73 @@ def test_cache_too_small_for_a_long_generation_ends_it_as_length():
     req = make_request("a", [1, 2, 3, 4, 5], max_tokens=50)
     got, _ = run(sched, [req])
     assert len(got["a"]) == 7 and req.finish_reason == "length"
+
+
+def test_finish_requests_keeps_or_drops_their_cached_prefix():
+    prompt = list(range(1, 10))  # two full blocks and one token
+    for invalidate, hits in ((False, 2), (True, 0)):
+        sched = make_scheduler()
+        a, b = make_request("a", prompt), make_request("b", [7, 7])
+        sched.add_request(a)
+        sched.add_request(b)
+        sched.schedule()  # the prefill fills and registers a's full blocks
+        kwargs = {"invalidate_cache": True} if invalidate else {}
+        finished = sched.finish_requests(["missing", "a", "b"], RequestStatus.FINISHED_ABORTED, **kwargs)
+        assert [r.request_id for r in finished] == ["a", "b"]  # an unknown id does not stop the rest
+        assert sched.finished_req_ids == ["a", "b"] and not sched.has_unfinished_requests()
+        again = make_request("again", prompt)
+        assert len(sched.block_manager.get_computed_blocks(again)[0]) == hits
+
+
+def test_preempting_the_tail_still_schedules_the_earlier_request_this_step():
+    sched = make_scheduler(num_blocks=4, max_model_len=16)
+    a, b = make_request("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=9), make_request("b", [9, 9, 9, 9, 9], max_tokens=9)
+    sched.add_request(a)
+    sched.add_request(b)
+    while True:
+        out = sched.schedule()
+        if b.status == RequestStatus.PREEMPTED:
+            assert [r.req_id for r in out.scheduled] == ["a"]  # a got b's blocks in the same step
+            break
+        sched.update_from_output(out, fake_model(sched, out))
+
+
+def test_finished_requests_leave_running_and_keep_their_cached_prefix():
+    sched = make_scheduler()
+    prompt = list(range(1, 10))
+    a = make_request("a", prompt, max_tokens=1)
+    sched.add_request(a)
+    out = sched.schedule()
+    sched.update_from_output(out, fake_model(sched, out))
+    assert a.status == RequestStatus.FINISHED_LENGTH and sched.num_running == 0
+    assert len(sched.block_manager.get_computed_blocks(make_request("again", prompt))[0]) == 2
+
+
+def test_eos_stops_once_min_tokens_are_out():
+    sched = make_scheduler()
+    a = make_request("a", [1, 2, 3], eos=5, min_tokens=2, max_tokens=10)
+    sched.add_request(a)
+    for expected in (RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED):
+        out = sched.schedule()
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[5]))
+        assert a.status == expected
+    assert a.output_token_ids == [5, 5]
+
+
+def test_logprobs_and_prompt_logprobs_reach_their_requests():
+    sched = make_scheduler()
+    a, b = make_request("a", [1, 2, 3]), make_request("b", [4, 5, 6])
+    sched.add_request(a)
+    sched.add_request(b)
+    lp = SampledLogprobs(token_id=7, logprob=-0.5, rank=1, top_token_ids=[], top_logprobs=[])
+    chunk = PromptLogprobs(req_id="a", start=1, logprobs=[-1.0, -2.0], ranks=[1, 1], top_token_ids=[[], []],
+                           top_logprobs=[[], []])
+    for step in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=["gone", "a", "b"], sampled_token_ids=[0, 7, 8], logprobs=[lp, lp, None],
+            prompt_logprobs=[PromptLogprobs(req_id="gone", start=1, logprobs=[], ranks=[], top_token_ids=[],
+                                            top_logprobs=[]), chunk] if step == 0 else []))
+    assert a.output_token_ids == [7, 7] and b.output_token_ids == [8, 8]
+    assert a.logprobs == [lp, lp] and a.cumulative_logprob == -1.0 and b.logprobs == []
+    assert a.prompt_logprobs == [chunk] and b.prompt_logprobs == []

@@ -143,3 +143,69 @@ def test_replacement_must_subclass(registries):
 def test_bad_custom_ops_entry():
     with pytest.raises(CustomOpError, match="'rms_norm' is not"):
         custom_op_module.resolve_custom_ops(["rms_norm"])
+
+
+@pytest.mark.parametrize("platform", [_Cpu(), _Cuda(), _Oot()])
+def test_platform_methods_default_to_forward_native_with_all_arguments(registries, fake_platform, platform):
+    @CustomOp.register("test_affine")
+    class Affine(CustomOp):
+        def forward_native(self, x, *, scale=1.0, shift=0.0):
+            return x * scale + shift
+
+    fake_platform(platform)
+    with set_current_config(_config(["all"])):
+        op = Affine()
+    assert op.forward_method_name != "forward_native"  # the platform's method, inherited
+    assert op(torch.ones(2), scale=3.0, shift=1.0).tolist() == [4.0, 4.0]
+
+
+def test_an_op_without_forward_native_says_which(registries, fake_platform):
+    @CustomOp.register("test_empty")
+    class Empty(CustomOp):
+        pass
+
+    fake_platform(_Cpu())
+    with set_current_config(_config(["none"])), pytest.raises(NotImplementedError, match="^Empty has no forward_native$"):
+        Empty()(torch.ones(1))
+
+
+def test_platform_without_a_table_entry_runs_forward_native(registries, fake_platform):
+    Scale, _ = _make_ops()
+    fake_platform(SimpleNamespace(_enum=PlatformEnum.UNSPECIFIED))
+    with set_current_config(_config(["all"])):
+        op = Scale()
+    assert op.forward_method_name == "forward_native" and op(torch.ones(1)).item() == 2
+
+
+def test_an_op_without_a_name_follows_the_base_switch(registries, fake_platform):
+    class Unnamed(CustomOp):
+        def forward_native(self, x):
+            return x
+
+    fake_platform(_Cpu())
+    for custom_ops, method in ((["all"], "forward_cpu"), (["none"], "forward_native")):
+        with set_current_config(_config(custom_ops)):
+            assert Unnamed().forward_method_name == method
+
+
+def test_register_names_the_op_and_refuses_a_taken_name(registries):
+    Scale, _ = _make_ops()
+    assert Scale.name == "test_scale" and custom_op_module.op_registry["test_scale"] is Scale
+    assert CustomOp.register("test_scale")(Scale) is Scale  # the same class again is a no-op
+
+    class Other(CustomOp):
+        pass
+
+    with pytest.raises(CustomOpError, match="^custom op name 'test_scale' is already registered by .*Scale$"):
+        CustomOp.register("test_scale")(Other)
+    assert custom_op_module.op_registry["test_scale"] is Scale
+
+
+def test_register_oot_from_the_base_needs_a_name(registries):
+    class Vendor(CustomOp):
+        pass
+
+    with pytest.raises(CustomOpError) as e:
+        CustomOp.register_oot(Vendor)
+    assert str(e.value) == "CustomOp.register_oot needs name=<in-tree class name>"
+    assert "Vendor" not in custom_op_module.op_registry_oot
