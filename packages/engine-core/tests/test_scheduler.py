@@ -2,11 +2,18 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.block_manager import BlockManager
 from loom.engine.request import Request, RequestStatus
 from loom.engine.scheduler import Scheduler
-from loom.engine.scheduler_output import ModelRunnerOutput, PromptLogprobs, SampledLogprobs, SchedulerOutput
+from loom.engine.scheduler_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobs,
+    SampledLogprobs,
+    SchedulerOutput,
+)
 from loom.sampling_params import SamplingParams
 
 BS = 4
@@ -296,3 +303,81 @@ def test_logprobs_and_prompt_logprobs_reach_their_requests():
     assert a.output_token_ids == [7, 7] and b.output_token_ids == [8, 8]
     assert a.logprobs == [lp, lp] and a.cumulative_logprob == -1.0 and b.logprobs == []
     assert a.prompt_logprobs == [chunk] and b.prompt_logprobs == []
+
+
+def test_duplicate_request_id_is_refused():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", [1, 2, 3]))
+    with pytest.raises(ValueError, match=r"request id 'a' is already in use"):
+        sched.add_request(make_request("a", [4, 5]))
+
+
+def test_request_aborted_before_the_first_step_reaches_the_first_output():
+    sched = make_scheduler()
+    assert sched.schedule().finished_req_ids == []
+    sched.add_request(make_request("a", [1, 2, 3]))
+    assert [r.request_id for r in sched.abort_requests(["a"])] == ["a"]
+    out = sched.schedule()
+    assert out.finished_req_ids == ["a"] and out.scheduled == []
+
+
+def test_new_request_data_carries_the_whole_prompt_even_when_cached():
+    sched = make_scheduler()
+    prompt = list(range(1, 10))
+    run(sched, [make_request("a", prompt, max_tokens=1)])  # leaves its two full blocks cached
+    b = make_request("b", prompt + [11, 12], eos=3, temperature=0.5)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.new_requests == [NewRequestData(req_id="b", sampling_params=b.sampling_params, prompt_len=11,
+                                               prompt_token_ids=prompt + [11, 12], eos_token_id=3)]
+    assert out.scheduled[0].num_computed_tokens == 8  # the cached tokens are not scheduled
+
+
+def test_every_running_request_advances_each_step():
+    sched = make_scheduler()
+    for name in "abc":
+        sched.add_request(make_request(name, [1, 2]))
+    for want in (2, 1, 1):  # the prefill of all three, then one decode each, every step
+        out = sched.schedule()
+        assert [(r.req_id, len(r.token_ids)) for r in out.scheduled] == [(n, want) for n in "abc"]
+        sched.update_from_output(out, fake_model(sched, out))
+
+
+def test_waiting_request_gets_the_last_token_of_budget_and_none_past_it():
+    for budget, want in ((5, [("a", 4), ("b", 1)]), (4, [("a", 4)])):
+        sched = make_scheduler(budget=budget)
+        sched.add_request(make_request("a", [1, 2, 3, 4]))
+        sched.add_request(make_request("b", [5, 6, 7]))
+        out = sched.schedule()
+        assert [(r.req_id, len(r.token_ids)) for r in out.scheduled] == want
+        assert [n.req_id for n in out.new_requests] == [name for name, _ in want]
+        assert sched.num_waiting == 2 - len(want)
+
+
+def test_running_request_gets_the_last_token_of_budget_and_none_past_it():
+    """Running requests are served in arrival order, as after a preemption an early request
+    readmitted in chunks sits ahead of a later one already decoding."""
+    sched = make_scheduler(budget=4)
+    early = make_request("early", list(range(1, 11)))  # 10 tokens: chunks of 3, 4, 3
+    late = make_request("late", [20])
+    sched.add_request(late)
+    sched.add_request(early)
+    steps = []
+    for _ in range(3):
+        out = sched.schedule()
+        steps.append([(r.req_id, len(r.token_ids)) for r in out.scheduled])
+        sched.update_from_output(out, fake_model(sched, out))
+    assert steps == [[("late", 1), ("early", 3)], [("early", 4)], [("early", 3), ("late", 1)]]
+
+
+def test_no_request_is_admitted_in_a_step_that_preempted():
+    """The preempted request would fit again with a small chunk, but it waits for the next step."""
+    sched = make_scheduler(num_blocks=5, budget=8, prefix_caching=False)
+    a, b = make_request("a", [1, 2, 3, 4], max_tokens=20), make_request("b", list(range(1, 17)))
+    sched.add_request(a)
+    sched.add_request(b)
+    for want in ([("a", 4), ("b", 4)], [("a", 1), ("b", 7)], [("a", 1)], [("a", 1), ("b", 7)]):
+        out = sched.schedule()  # third step: a's decode needs b's blocks
+        assert [(r.req_id, len(r.token_ids)) for r in out.scheduled] == want
+        sched.update_from_output(out, fake_model(sched, out))
+    assert sched.num_preemptions == 1
