@@ -266,3 +266,79 @@ def test_min_tokens_ignores_stop_ids_outside_the_vocabulary():
     logits[0, 9] = 5.0
     params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[V, V + 7])]
     assert sample(logits, params, num_output=[0])[0] == [9]  # EOS masked, the stop ids can't occur
+
+
+def test_top_p_drops_a_tail_whose_mass_is_exactly_1_minus_p():
+    logits = torch.full((1, V), float("-inf"))
+    logits[0, 10:14] = 0.0  # four tokens of probability 1/4: cumulative 0.25, 0.5, 0.75, 1 (exact)
+    seen = {sample(logits, [SamplingParams(top_p=0.5)], [gen(seed)])[0][0] for seed in range(60)}
+    assert len(seen) == 2 and seen <= {10, 11, 12, 13}  # the two whose tail mass is 0.5 = 1 - p are dropped
+
+
+def test_top_p_below_float32_resolution_still_keeps_the_best_token():
+    logits = random_logits(4, seed=6)  # 1 - 1e-9 rounds to 1.0 in float32: every cumulative sum is "in the tail"
+    for seed in range(5):
+        tokens, _ = sample(logits, [SamplingParams(temperature=1.0, top_p=1e-9)] * 4, [gen(seed)] + [None] * 3)
+        assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_with_top_p_keeps_exactly_k_tokens():
+    logits = torch.zeros(1, V)
+    logits[0, [20, 30, 40]] = torch.tensor([8.0, 7.9, 7.8])
+    for seed in range(10):  # top-k 1 is greedy under any top-p
+        assert sample(logits, [SamplingParams(top_k=1, top_p=0.99)], [gen(seed)])[0] == [20]
+    seen = {sample(logits, [SamplingParams(top_k=2, top_p=0.99)], [gen(seed)])[0][0] for seed in range(60)}
+    assert seen == {20, 30}
+
+
+def test_output_penalties_count_token_id_0():
+    logits = torch.zeros(2, V)
+    logits[:, 0] = 5.0
+    logits[:, 1] = 4.0
+    params = [SamplingParams(temperature=0.0, frequency_penalty=1.0), SamplingParams(temperature=0.0)]
+    md = SamplingMetadata.from_requests(params, [None] * 2, [3, 0], EOS, None, [[0, 0], []])
+    out = logits.clone()
+    assert Sampler()(out, md)[0] == [1, 0]
+    assert out[0, :3].tolist() == [3.0, 4.0, 0.0]  # token 0 seen twice, the padding counts for nothing
+
+
+def test_logprobs_0_on_every_row_give_no_top_list():
+    logits = random_logits(3, seed=7)
+    params = [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(temperature=1.0, logprobs=0)]
+    tokens, lps = sample(logits[:2], params, [None, gen(2)])
+    ref = torch.log_softmax(logits[:2], -1)
+    for i, lp in enumerate(lps):
+        assert (lp.token_id, lp.top_token_ids, lp.top_logprobs) == (tokens[i], [], [])
+        assert abs(lp.logprob - float(ref[i, tokens[i]])) < 1e-5
+
+
+def test_random_rows_without_logprobs_return_none():
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0, repetition_penalty=1.5)]
+    assert sample(random_logits(2), params, seen=[[1], [2]])[1] is None
+
+
+def test_a_fully_seeded_batch_leaves_the_global_generator_alone():
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    sample(random_logits(2), [SamplingParams(seed=1), SamplingParams(seed=2)], [gen(1), gen(2)])
+    assert torch.equal(torch.rand(3), expected)  # an unseeded request's draws don't shift
+
+
+def test_metadata_leaves_out_what_no_row_needs():
+    greedy = SamplingParams(temperature=0.0, top_k=5, top_p=0.5, seed=3)  # greedy ignores all of these
+    plain = SamplingParams(temperature=0.8)
+    md = SamplingMetadata.from_requests([greedy, SamplingParams(temperature=0.0)], [gen(3), None], [0, 0],
+                                        EOS, [[1, 2], [3]], [[2], []])
+    assert md.all_greedy is True and md.temperature is None and md.generators == {}
+    assert md.no_processing  # no penalty, no min_tokens, no logprobs: the fast argmax path
+    assert md.penalty_rows is None and md.min_tokens_rows is None and md.min_tokens_cols is None
+    g = gen(4)
+    md = SamplingMetadata.from_requests([greedy, plain, SamplingParams(seed=4)], [gen(3), None, g], [0] * 3,
+                                        EOS, None)
+    assert md.all_greedy is False and md.greedy_rows.tolist() == [True, False, False]
+    assert md.top_k is None and md.top_p is None  # only the greedy row asked for them
+    assert md.generators == {2: g}
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    md = SamplingMetadata.from_requests([penalised, penalised], [None] * 2, [0] * 2, EOS, [[], [5]])
+    assert md.penalty_rows.tolist() == [1]  # the row that has seen nothing has nothing to penalise
