@@ -57,3 +57,13 @@ def tiny_llama_tied(models_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_opt(models_dir) -> Path:
     return build_tiny_model(models_dir / "opt", "opt", tie=True)
+
+
+@pytest.fixture(scope="module")
+def every_installed_plugin():
+    """For modules whose child processes inherit this environment: they load every installed
+    plugin and detect the platform, whatever LOOM_PLUGINS / LOOM_PLATFORM the caller has set."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LOOM_PLUGINS", raising=False)
+        mp.delenv("LOOM_PLATFORM", raising=False)
+        yield

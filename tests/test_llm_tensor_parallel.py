@@ -6,15 +6,7 @@ import loom_supervisor  # noqa: F401  (a missing supervisor wheel is an error, n
 import pytest
 from loom import LLM, SamplingParams
 
-
-@pytest.fixture(scope="module", autouse=True)
-def every_installed_plugin():
-    """The workers inherit this environment: they load every installed plugin and
-    detect the platform, whatever LOOM_PLUGINS / LOOM_PLATFORM the caller has set."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("LOOM_PLUGINS", raising=False)
-        mp.delenv("LOOM_PLATFORM", raising=False)
-        yield
+pytestmark = pytest.mark.usefixtures("every_installed_plugin")
 
 
 def test_llm_tp2_matches_tp1_and_stops_its_workers(tiny_llama, tiny_opt):

@@ -13,14 +13,7 @@ from serve_utils import alive, get, serving
 PROMPTS = ["Hello, my name is", "The capital of France is", "One two three"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def every_installed_plugin():
-    """The serve's processes inherit this environment: they load every installed plugin and
-    detect the platform, whatever LOOM_PLUGINS / LOOM_PLATFORM the caller has set."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("LOOM_PLUGINS", raising=False)
-        mp.delenv("LOOM_PLATFORM", raising=False)
-        yield
+pytestmark = pytest.mark.usefixtures("every_installed_plugin")
 
 
 @pytest.fixture(scope="module")

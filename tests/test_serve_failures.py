@@ -11,15 +11,7 @@ import pytest
 from fake_dist import write_fake_dist
 from serve_utils import alive, free_port
 
-
-@pytest.fixture(scope="module", autouse=True)
-def every_installed_plugin():
-    """The serve's processes inherit this environment: they load every installed plugin and
-    detect the platform, whatever LOOM_PLUGINS / LOOM_PLATFORM the caller has set."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("LOOM_PLUGINS", raising=False)
-        mp.delenv("LOOM_PLATFORM", raising=False)
-        yield
+pytestmark = pytest.mark.usefixtures("every_installed_plugin")
 
 
 def run_serve(args: list[str], env: dict[str, str] | None = None, extra_path=None, timeout: float = 180):
