@@ -21,7 +21,7 @@ from loom.engine.arg_utils import EngineArgs
 from loom.engine.async_llm import InprocAsyncLLM
 from loom.entrypoints.openai import build_app
 from prometheus_client.parser import text_string_to_metric_families
-from test_openai_server import ServerThread
+from server_thread import ServerThread
 from transformers import GPT2TokenizerFast, LlamaConfig, LlamaForCausalLM
 
 MODEL = "tiny-llama-metrics"

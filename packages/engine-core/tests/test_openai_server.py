@@ -6,7 +6,6 @@ import asyncio
 import importlib.util
 import json
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from loom.entrypoints.openai.api_server import apply_endpoint_plugins
 from loom.outputs import CompletionOutput, RequestOutput
 from loom_plugin_api import ENDPOINT_PLUGINS_GROUP, STAT_LOGGER_PLUGINS_GROUP, PluginError
 from loom_plugin_api import loader as plugin_loader
+from server_thread import ServerThread
 
 MODEL = "tiny-llama"
 API_KEY = "sk-loom-test"
@@ -79,50 +79,6 @@ def _build_tiny_llama(path: Path) -> Path:
     model.float().save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
-
-
-class ServerThread:
-    """``serve_http`` in a thread with its own event loop; ``stop()`` drains and joins it."""
-
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
-        self.ready = threading.Event()
-        self.port = 0
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self.loop = asyncio.get_running_loop()
-            self.stop_event = asyncio.Event()
-
-            def ready(host: str, port: int) -> None:
-                self.port = port
-                self.ready.set()
-
-            await serve_http(self.app, "127.0.0.1", 0, ready_callback=ready, shutdown_event=self.stop_event,
-                             grace_period=5, log_level="warning", access_log=False)
-
-        try:
-            asyncio.run(main())
-        except BaseException as e:  # surfaced by start()
-            self.error = e
-            self.ready.set()
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        assert self.ready.wait(30), "the server did not start"
-        if self.error is not None:
-            raise self.error
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.stop_event.set)
-        self.thread.join(15)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
 
 def wait_until(predicate, timeout: float = 10.0) -> bool:
