@@ -8,7 +8,13 @@ import pytest
 import torch
 from loom.layers.layernorm import LayerNorm, RMSNorm
 from loom.layers.rotary_embedding import get_rope
-from loom_plugin_api import set_current_config
+from loom_plugin_api import load_general_plugins, set_current_config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _plugins_loaded():
+    """A serve's processes load the general plugins (the dummy platform's op) before building models."""
+    load_general_plugins()
 
 
 def _config(custom_ops):

@@ -16,13 +16,13 @@ from loom.engine.arg_utils import EngineArgs
 from loom.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from loom.layers.activation import SiluAndMul
 from loom.layers.attention import Attention
-from loom.layers.kernels import clear_kernel_overrides, get_kernel_override
 from loom.layers.layernorm import RMSNorm
 from loom.layers.rotary_embedding import get_rope
 from loom.model_loader import get_model
 from loom.sampling_params import SamplingParams
 from loom.worker.input_batch import prepare_inputs
 from loom.worker.model_runner import ModelRunner
+from loom.worker.services import EngineWorkerServices
 from loom_platform_cuda import kernels
 from loom_platform_cuda.attention import TritonAttentionBackend, TritonAttentionImpl
 from loom_platform_cuda.model_runner import CudaModelRunner, EagerGraph
@@ -36,10 +36,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture
 def overrides():
-    clear_kernel_overrides()
+    CustomOp.clear_kernels()
     CudaPlatform.register_triton_kernel_overrides()
     yield
-    clear_kernel_overrides()
+    CustomOp.clear_kernels()
 
 
 def test_identity_and_config_hooks():
@@ -71,7 +71,7 @@ def test_block_size_follows_the_backend():
 
 
 def test_kernel_overrides_run_under_forward_cuda(overrides):
-    assert get_kernel_override("rms_norm") is kernels.rms_norm
+    assert CustomOp.get_kernel("rms_norm") is kernels.rms_norm
     dev = DEVICE
     torch.manual_seed(0)
     norm = RMSNorm(64, eps=1e-5).to(dev)
@@ -95,7 +95,7 @@ def test_kernel_overrides_run_under_forward_cuda(overrides):
 
 
 def test_forward_cuda_without_overrides_is_native():
-    clear_kernel_overrides()
+    CustomOp.clear_kernels()
     norm = RMSNorm(16).to(DEVICE)
     x = torch.randn(3, 16, device=DEVICE)
     torch.testing.assert_close(norm.forward_cuda(x), norm.forward_native(x))
@@ -116,9 +116,9 @@ def _runner(tiny_llama, cuda_path: bool) -> ModelRunner:
     model = get_model(config)
     device = next(model.parameters()).device
     if not cuda_path:
-        runner = ModelRunner(config, model, device)
+        runner = ModelRunner(config, model, device, EngineWorkerServices())
     elif ON_GPU:  # the CUDA platform built the model: Triton attention, forward_cuda ops
-        runner = CudaModelRunner(config, model, device)
+        runner = CudaModelRunner(config, model, device, EngineWorkerServices())
     else:
         # What the CUDA platform builds, on CPU tensors: Triton attention, forward_cuda ops.
         for layer in model.modules():
@@ -127,7 +127,7 @@ def _runner(tiny_llama, cuda_path: bool) -> ModelRunner:
                                                  layer.num_kv_heads)
             if isinstance(layer, CustomOp):
                 layer._forward_method = layer.forward_cuda
-        runner = CudaModelRunner(config, model, device, graph_factory=EagerGraph)
+        runner = CudaModelRunner(config, model, device, EngineWorkerServices(), graph_factory=EagerGraph)
     runner.initialize_cache(64)
     return runner
 
@@ -176,7 +176,7 @@ def test_profile_run_runs_the_largest_step_and_frees_its_cache(tiny_llama):
     config = EngineArgs(model=str(tiny_llama), max_model_len=128, max_num_batched_tokens=300,
                         block_size=BLOCK).create_engine_config()
     model = get_model(config)
-    runner = CudaModelRunner(config, model, next(model.parameters()).device)
+    runner = CudaModelRunner(config, model, next(model.parameters()).device, EngineWorkerServices())
     calls = []
     run_model = runner.run_model
     runner.run_model = lambda inputs: calls.append(inputs.attn_metadata) or run_model(inputs)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from loom.distributed.communicator import TorchDistributedCommunicator
+from loom_plugin_api import TorchDistributedCommunicator
 
 __all__ = ["NcclCommunicator"]
 

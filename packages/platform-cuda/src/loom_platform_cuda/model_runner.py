@@ -13,22 +13,25 @@ CPU record "graphs" that re-run the model, which checks the static buffers and p
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from loom.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from loom.forward_context import set_forward_context
-from loom.layers.sampler import SamplingMetadata
-from loom.logger import init_logger
-from loom.sampling_params import SamplingParams
-from loom.worker.input_batch import ModelInput, prepare_inputs
-from loom.worker.model_runner import ModelRunner
-from loom_plugin_api import AttentionMetadata
+from loom_plugin_api import (
+    AttentionMetadata,
+    ModelInput,
+    ModelRunner,
+    SamplingParams,
+    ScheduledRequest,
+    SchedulerOutput,
+    WorkerServices,
+    set_forward_context,
+)
 
-logger = init_logger("loom_platform_cuda.model_runner")
+logger = logging.getLogger("loom.platform_cuda.model_runner")
 
 __all__ = ["CudaGraph", "CudaModelRunner", "EagerGraph"]
 
@@ -104,9 +107,9 @@ class _StaticInputs:
 
 
 class CudaModelRunner(ModelRunner):
-    def __init__(self, config: Any, model: torch.nn.Module, device: torch.device,
+    def __init__(self, config: Any, model: torch.nn.Module, device: torch.device, services: WorkerServices,
                  graph_factory: Callable[[Any], Any] | None = None) -> None:
-        super().__init__(config, model, device)
+        super().__init__(config, model, device, services)
         # One LM-head matmul and an argmax beat the chunked, launch-bound argmax on a GPU
         # (about 375 small kernels per step for a 128k vocabulary).
         self._fused_greedy = None
@@ -133,12 +136,12 @@ class CudaModelRunner(ModelRunner):
             scheduled.append(ScheduledRequest(req_id=f"profile-{i}", token_ids=[0] * n, num_computed_tokens=0,
                                               block_ids=list(range(next_block, next_block + nb)), sample=True))
             next_block += nb
-        inputs = prepare_inputs(SchedulerOutput(scheduled=scheduled), block_size, self.device)
+        inputs = self.services.prepare_inputs(SchedulerOutput(scheduled=scheduled), block_size, self.device)
         hidden = self.run_model(inputs)
         rows = sched.max_num_seqs
         logits = self.model.compute_logits(hidden[-1:].expand(rows, -1)).float()  # the sampler's input at its largest
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=20)
-        self.sampler(logits, SamplingMetadata.from_requests([params] * rows, [None] * rows, [0] * rows, None, None))
+        self.sampler(logits, self.services.sampling_metadata([params] * rows, [None] * rows, [0] * rows, None, None, None))
         del hidden, logits
         for layer in self.attn_layers:
             layer.kv_cache = torch.empty(0, device=self.device)

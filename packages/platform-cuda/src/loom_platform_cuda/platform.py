@@ -6,16 +6,16 @@ sees a CUDA device. An out-of-tree platform that answers on the same host wins o
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from loom.logger import init_logger
-from loom_plugin_api import Platform, PlatformEnum
+from loom_plugin_api import CustomOp, LoomConfigView, Platform, PlatformEnum
 
 if TYPE_CHECKING:
     import torch
 
-logger = init_logger("loom_platform_cuda")
+logger = logging.getLogger("loom.platform_cuda")
 
 ATTENTION_BACKEND = "loom_platform_cuda.attention.TritonAttentionBackend"
 WORKER = "loom_platform_cuda.worker.CudaWorker"
@@ -29,9 +29,10 @@ class CudaPlatform(Platform):
     dispatch_key: ClassVar[str] = "CUDA"
     dist_backend: ClassVar[str] = "nccl"
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    supports_tensor_parallel: ClassVar[bool] = True
 
     @classmethod
-    def check_and_update_config(cls, config: Any) -> None:
+    def check_and_update_config(cls, config: LoomConfigView) -> None:
         if config.parallel_config.worker_cls == "auto":
             config.parallel_config.worker_cls = WORKER
         dtype = config.model_config.dtype
@@ -45,7 +46,7 @@ class CudaPlatform(Platform):
             )
 
     @classmethod
-    def update_block_size_for_backend(cls, config: Any) -> None:
+    def update_block_size_for_backend(cls, config: LoomConfigView) -> None:
         from .attention import TritonAttentionBackend
 
         cache = config.cache_config
@@ -62,8 +63,6 @@ class CudaPlatform(Platform):
         """Install the Triton kernels behind loom's ``forward_cuda`` (RMSNorm, RoPE, SiLU)."""
         import shutil
 
-        from loom.layers.kernels import register_kernel_override
-
         from . import kernels
 
         # Triton builds a small C launcher the first time a kernel runs: fail now, with the reason.
@@ -72,9 +71,9 @@ class CudaPlatform(Platform):
             raise RuntimeError("loom's CUDA platform needs a C compiler for Triton's kernel launcher: install gcc "
                                "or clang (and the Python headers), or set CC")
 
-        register_kernel_override("rms_norm", kernels.rms_norm)
-        register_kernel_override("rotary_embedding", kernels.rotary_embedding)
-        register_kernel_override("silu_and_mul", kernels.silu_and_mul)
+        CustomOp.register_kernel("rms_norm", kernels.rms_norm)
+        CustomOp.register_kernel("rotary_embedding", kernels.rotary_embedding)
+        CustomOp.register_kernel("silu_and_mul", kernels.silu_and_mul)
         logger.info("Triton kernels installed for rms_norm, rotary_embedding, silu_and_mul (pid %d)", os.getpid())
 
     @classmethod

@@ -8,15 +8,14 @@ unless ``--enforce-eager``, records the decode steps as CUDA graphs.
 
 from __future__ import annotations
 
+import logging
+
 import torch
-from loom.distributed.parallel_state import init_distributed_environment
-from loom.logger import init_logger
-from loom.platforms import current_platform
-from loom_plugin_api import WorkerBase
+from loom_plugin_api import ModelRunnerOutput, SchedulerOutput, WorkerBase, get_current_platform
 
 from .model_runner import CudaModelRunner
 
-logger = init_logger("loom_platform_cuda.worker")
+logger = logging.getLogger("loom.platform_cuda.worker")
 
 _MiB = 1 << 20
 # Kept free beside the KV cache for the recorded graphs' buffers and the allocator's slack.
@@ -34,19 +33,16 @@ class CudaWorker(WorkerBase):
             raise RuntimeError(f"rank {self.rank} needs GPU {self.local_rank}, but only {count} are visible "
                                "(CUDA_VISIBLE_DEVICES); lower --tensor-parallel-size")
         self.device = torch.device("cuda", self.local_rank)
-        current_platform.set_device(self.device)
-        current_platform.seed_everything(self.config.model_config.seed)
-        init_distributed_environment(self.config.parallel_config.tensor_parallel_size, self.rank,
-                                     self.distributed_init_method, current_platform.dist_backend, self.device)
+        platform = get_current_platform()
+        platform.set_device(self.device)
+        platform.seed_everything(self.config.model_config.seed)
+        self.services.init_distributed(self.config, self.rank, self.distributed_init_method, self.device)
         name = torch.cuda.get_device_name(self.device)
         logger.info("Worker rank %d initialized device %s (%s)", self.rank, self.device, name)
 
     def load_model(self) -> None:
-        from loom.model_loader import get_model
-
-        model = get_model(self.config)
-        self.model_runner = CudaModelRunner(self.config, model, self.device)
-        current_platform.update_block_size_for_backend(self.config)
+        model = self.services.build_model(self.config, self.device)
+        self.model_runner = CudaModelRunner(self.config, model, self.device, self.services)
 
     def determine_available_memory(self) -> int:
         fixed = self.config.cache_config.kv_cache_memory_bytes
@@ -89,7 +85,7 @@ class CudaWorker(WorkerBase):
         if not compilation.enforce_eager:
             self.model_runner.capture_decode_graphs(compilation.cudagraph_capture_sizes)
 
-    def execute_model(self, scheduler_output):  # type: ignore[no-untyped-def]
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         output = self.model_runner.execute_model(scheduler_output)
         return output if self.is_driver_worker else None
 

@@ -14,11 +14,9 @@ __all__ = ["dummy_platform_plugin", "register_ops"]
 def dummy_platform_plugin() -> str | None:
     """Detector: a real one checks for its device and returns None when it is absent.
 
-    This reference device is always present. Detectors often import engine modules
-    while they run; that must work, so this one does too.
+    This reference device is always present. A detector runs in every process of a
+    serve, early: keep it cheap (no torch import, no device initialization).
     """
-    from loom.platforms.cpu import CpuPlatform  # noqa: F401
-
     return "loom_platform_dummy.dummy_platform.DummyPlatform"
 
 

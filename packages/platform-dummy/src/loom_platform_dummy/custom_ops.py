@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 import torch
-from loom.layers.rotary_embedding import RotaryEmbedding
+from loom_plugin_api.ops.rotary_embedding import RotaryEmbedding
 
 from .logging import logger
 

@@ -1,8 +1,8 @@
-"""The dummy platform's worker: the CPU worker's steps, under the platform's own class."""
+"""The dummy platform's worker: the contract's host-memory worker, under the platform's own class."""
 
 from __future__ import annotations
 
-from loom.worker.cpu_worker import CPUWorker
+from loom_plugin_api import CPUWorker
 
 from .logging import logger
 

@@ -17,20 +17,47 @@ from ._groups import (
 )
 from ._qualname import resolve_obj_by_qualname
 from .attention import AttentionBackend, AttentionImpl, AttentionMetadata, AttentionSelectorConfig
-from .context import get_current_config, get_current_platform, set_current_config
+from .communicator import DeviceCommunicatorBase, TorchDistributedCommunicator
+from .config import (
+    CacheConfigView,
+    CompilationConfigView,
+    DeviceConfigView,
+    LoomConfigView,
+    ModelConfigView,
+    ParallelConfigView,
+    SchedulerConfigView,
+)
+from .context import (
+    get_current_config,
+    get_current_platform,
+    get_forward_context,
+    set_current_config,
+    set_forward_context,
+)
 from .errors import CustomOpError, ModelRegistryError, PlatformError, PluginError
 from .loader import load_general_plugins, load_plugins_by_group, plugin_records
 from .model_registry import ModelInfo, ModelRegistry
 from .platform import Platform, PlatformEnum
-from .worker import WorkerBase
+from .sampling_params import SamplingParams
+from .step import (
+    ModelInput,
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobs,
+    SampledLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from .worker import WorkerBase, WorkerServices
 
 if TYPE_CHECKING:
+    from .cpu_worker import CPUWorker
     from .custom_op import CustomOp
+    from .model_runner import ModelRunner
 
-# Only ``CustomOp`` (a ``torch.nn.Module``) needs torch; it loads on first use. The front
-# end and the engine core never compute, and importing torch would cost each of them
-# seconds of start-up and about 250 MB.
-_LAZY = {"CustomOp": "custom_op"}
+# Names that need torch load on first use. The front end and the engine core never
+# compute, and importing torch would cost each of them seconds of start-up and ~250 MB.
+_LAZY = {"CustomOp": "custom_op", "ModelRunner": "model_runner", "CPUWorker": "cpu_worker"}
 
 
 def __getattr__(name: str) -> Any:
@@ -44,7 +71,7 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-__version__ = "1.0.0"
+__version__ = "1.1.0"
 
 __all__ = [
     "ENDPOINT_PLUGINS_GROUP",
@@ -55,21 +82,43 @@ __all__ = [
     "AttentionImpl",
     "AttentionMetadata",
     "AttentionSelectorConfig",
+    "CPUWorker",
+    "CacheConfigView",
+    "CompilationConfigView",
     "CustomOp",
     "CustomOpError",
+    "DeviceCommunicatorBase",
+    "DeviceConfigView",
+    "LoomConfigView",
+    "ModelConfigView",
     "ModelInfo",
+    "ModelInput",
     "ModelRegistry",
     "ModelRegistryError",
+    "ModelRunner",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "ParallelConfigView",
     "Platform",
     "PlatformEnum",
     "PlatformError",
     "PluginError",
+    "PromptLogprobs",
+    "SampledLogprobs",
+    "SamplingParams",
+    "ScheduledRequest",
+    "SchedulerConfigView",
+    "SchedulerOutput",
+    "TorchDistributedCommunicator",
     "WorkerBase",
+    "WorkerServices",
     "get_current_config",
     "get_current_platform",
+    "get_forward_context",
     "load_general_plugins",
     "load_plugins_by_group",
     "plugin_records",
     "resolve_obj_by_qualname",
     "set_current_config",
+    "set_forward_context",
 ]

@@ -1,19 +1,29 @@
-"""Per-process context that plugin-side code reads: the platform and the current config.
+"""Per-process context that plugin-side code reads: the platform, the current config and,
+while the model runs a step, the step's attention metadata.
 
 ``loom_plugin_api`` must not import the engine, so the engine installs a resolver for
 the platform (``loom.platforms`` does this on import) and sets the current config
 around model construction (``set_current_config``). ``CustomOp`` and attention
-backends read both through this module.
+backends read both through this module. A model runner wraps each forward pass in
+``set_forward_context(attn_metadata)``; attention layers read it with ``get_forward_context``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .attention import AttentionMetadata
+    from .config import LoomConfigView
     from .platform import Platform
+
+__all__ = [
+    "ForwardContext", "get_current_config", "get_current_platform", "get_forward_context", "set_current_config",
+    "set_forward_context", "set_platform_resolver",
+]
 
 _platform_resolver: Callable[[], Platform] | None = None
 _current_config: Any = None
@@ -39,7 +49,7 @@ def get_current_platform() -> Platform:
 
 
 @contextlib.contextmanager
-def set_current_config(config: Any) -> Iterator[None]:
+def set_current_config(config: LoomConfigView | None) -> Iterator[None]:
     """Make ``config`` (a ``LoomConfig``) current while a model is built."""
     global _current_config
     previous = _current_config
@@ -50,6 +60,33 @@ def set_current_config(config: Any) -> Iterator[None]:
         _current_config = previous
 
 
-def get_current_config() -> Any:
+def get_current_config() -> LoomConfigView | None:
     """The ``LoomConfig`` being built for, or None outside ``set_current_config``."""
     return _current_config
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+
+
+_forward_context: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def set_forward_context(attn_metadata: AttentionMetadata) -> Iterator[None]:
+    """Make ``attn_metadata`` the current step's while the model runs (one forward pass)."""
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(attn_metadata)
+    try:
+        yield
+    finally:
+        _forward_context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    """The running step's context; attention layers read their metadata from it."""
+    if _forward_context is None:
+        raise RuntimeError("the model ran outside set_forward_context(); the model runner sets it")
+    return _forward_context

@@ -1,11 +1,23 @@
 """``CustomOp``: layers that a platform or a general plugin may replace.
 
-Two registries, per process:
+The replaceable ops, their constructors, forward signatures and reference semantics
+(``forward_native``) are in ``loom_plugin_api.ops``. A plugin replaces an op in one of
+two ways, both registered here, on ``CustomOp``, once per process:
+
+* a whole class: ``@CustomOp.register_oot(name="RMSNorm")`` (or ``@RMSNorm.register_oot``),
+  whose ``forward_oot`` / ``forward_cuda`` / ``forward_cpu`` runs when the op is enabled;
+* a kernel behind the in-tree class's ``forward_cuda``: ``CustomOp.register_kernel(
+  "rms_norm", fn)`` with the signature ``KERNEL_SIGNATURES`` gives (a GPU platform does
+  this from ``Platform.register_triton_kernel_overrides``). Without one, ``forward_cuda``
+  runs ``forward_native``.
+
+The registries:
 
 * ``op_registry`` — in-tree ops, keyed by their op name (``@CustomOp.register("rms_norm")``).
   The op name is what ``custom_ops`` switches (``+rms_norm`` / ``-rms_norm``).
 * ``op_registry_oot`` — replacements, keyed by the **class name** of the in-tree class
   they replace (``@RMSNorm.register_oot`` registers under ``"RMSNorm"``).
+* ``kernel_registry`` — kernels, keyed by op name.
 
 The exact-name rule: when model code builds ``RotaryEmbedding(...)``, ``__new__`` looks
 up ``"RotaryEmbedding"`` in ``op_registry_oot`` and builds the replacement instead. A
@@ -35,13 +47,25 @@ from .switches import resolve_custom_ops
 
 logger = logging.getLogger("loom.custom_op")
 
-__all__ = ["CustomOp", "FORWARD_METHOD_BY_PLATFORM", "op_registry", "op_registry_oot", "resolve_custom_ops"]
+__all__ = [
+    "FORWARD_METHOD_BY_PLATFORM", "KERNEL_SIGNATURES", "CustomOp", "kernel_registry", "op_registry", "op_registry_oot",
+    "resolve_custom_ops",
+]
 
 _T = TypeVar("_T", bound=type)
 
 op_registry: dict[str, type[CustomOp]] = {}
 op_registry_oot: dict[str, type[CustomOp]] = {}
 _oot_covers_subclasses: set[str] = set()
+kernel_registry: dict[str, Callable[..., Any]] = {}
+
+KERNEL_SIGNATURES: dict[str, str] = {
+    "rms_norm": "rms_norm(x, weight, eps, residual=None) -> out, or (out, x + residual) with a residual",
+    "rotary_embedding": "rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style) "
+                        "-> (query, key), rotated in place",
+    "silu_and_mul": "silu_and_mul(x) -> silu(x[..., :d]) * x[..., d:]",
+}
+"""The kernels a platform may install, by op name, with the signature each is called with."""
 
 FORWARD_METHOD_BY_PLATFORM: dict[PlatformEnum, str] = {
     PlatformEnum.CPU: "forward_cpu",
@@ -180,6 +204,29 @@ class CustomOp(nn.Module):
         if _decorated is not None:
             return decorator(_decorated)
         return decorator
+
+    @classmethod
+    def register_kernel(cls, name: str, kernel: Callable[..., Any]) -> None:
+        """Make ``kernel`` the implementation of op ``name``'s ``forward_cuda`` in this process.
+
+        Call it before the model is built (``Platform.register_triton_kernel_overrides``).
+        Registering again replaces the kernel (the last platform hook wins).
+        """
+        if name not in KERNEL_SIGNATURES:
+            raise CustomOpError(f"no kernel named {name!r} can be installed; known: {', '.join(KERNEL_SIGNATURES)}")
+        if not callable(kernel):
+            raise CustomOpError(f"kernel {name!r} must be callable, got {type(kernel).__name__}")
+        kernel_registry[name] = kernel
+
+    @classmethod
+    def get_kernel(cls, name: str) -> Callable[..., Any] | None:
+        """The kernel installed for op ``name``, or None."""
+        return kernel_registry.get(name)
+
+    @classmethod
+    def clear_kernels(cls) -> None:
+        """Forget every installed kernel (tests)."""
+        kernel_registry.clear()
 
 
 def _replacement_for(cls: type[CustomOp]) -> type[CustomOp]:

@@ -104,11 +104,15 @@ class _LazyRegisteredModel:
 
 
 # Run by ``python -c`` with (module, class, architecture) as arguments.
+# The child first registers, lazily, every architecture this process knows: a plugin's
+# class may subclass an in-tree one that it reaches through the registry.
 _INSPECT_SCRIPT = """
 import dataclasses, json, sys
 from loom_plugin_api._qualname import resolve_obj_by_qualname
-from loom_plugin_api.model_registry import ModelInfo
+from loom_plugin_api.model_registry import ModelInfo, ModelRegistry
 module, cls, arch = sys.argv[1:4]
+for known, target in json.loads(sys.argv[4]).items():
+    ModelRegistry.register_model(known, target)
 info = ModelInfo.from_model_cls(arch, resolve_obj_by_qualname(module + ":" + cls))
 print(json.dumps(dataclasses.asdict(info)))
 """
@@ -138,7 +142,9 @@ def _inspect_out_of_process(entry: _LazyRegisteredModel) -> ModelInfo:
         except (OSError, ValueError, TypeError):
             pass  # unreadable or from another version: inspect again
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    argv = [sys.executable, "-c", _INSPECT_SCRIPT, entry.module_name, entry.class_name, entry.architecture]
+    known = {arch: _target(e) for arch, e in ModelRegistry.models.items() if arch != entry.architecture}
+    argv = [sys.executable, "-c", _INSPECT_SCRIPT, entry.module_name, entry.class_name, entry.architecture,
+            json.dumps(known)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         # Import it here after all, so that the caller sees the real error.
@@ -227,6 +233,13 @@ class _ModelRegistry:
         """Return ``(model_cls, arch)`` for the first registered architecture."""
         arch = self._first_known(architectures)
         return self.models[arch].load_model_cls(), arch
+
+
+def _target(entry: _RegisteredModel | _LazyRegisteredModel) -> str:
+    """``module:qualname`` of an entry's class (importable: registered classes are module-level)."""
+    if isinstance(entry, _LazyRegisteredModel):
+        return f"{entry.module_name}:{entry.class_name}"
+    return f"{entry.model_cls.__module__}:{entry.model_cls.__qualname__}"
 
 
 def _same_target(a: _RegisteredModel | _LazyRegisteredModel, b: _RegisteredModel | _LazyRegisteredModel) -> bool:

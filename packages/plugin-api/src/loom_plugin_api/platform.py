@@ -44,6 +44,9 @@ class Platform:
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     """Model dtypes the platform computes in, by torch name (names, not ``torch.dtype``s,
     so that processes which never compute need not import torch)."""
+    supports_tensor_parallel: ClassVar[bool] = False
+    """Whether the platform's worker and communicator run ``--tensor-parallel-size`` > 1
+    (the engine refuses it otherwise, and the conformance kit skips its two-rank checks)."""
 
     # ---- identity -------------------------------------------------------------------
     def is_cpu(self) -> bool:
@@ -136,7 +139,7 @@ class Platform:
 
         Asked by a worker that sets up a tensor-parallel group of more than one rank.
         """
-        return "loom.distributed.communicator.TorchDistributedCommunicator"
+        return "loom_plugin_api.communicator.TorchDistributedCommunicator"
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:

@@ -57,6 +57,11 @@ class LoomConfig:
     def _verify_tensor_parallel(self) -> None:
         """Catch a tensor-parallel size the model cannot be split by, before anything starts."""
         tp = self.parallel_config.tensor_parallel_size
+        from ..platforms import current_platform
+
+        if tp > 1 and not current_platform.supports_tensor_parallel:
+            raise ValueError(f"the {current_platform.device_name} platform does not support tensor parallelism "
+                             f"(--tensor-parallel-size {tp}); use 1")
         heads = self.model_config.get_num_attention_heads()
         kv_heads = self.model_config.get_num_kv_heads()
         if heads % tp:

@@ -10,6 +10,7 @@ from typing import Any
 
 from loom_plugin_api import load_general_plugins
 
+from .. import envs
 from ..config import (
     CacheConfig,
     CompilationConfig,
@@ -125,7 +126,7 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size or 16, user_block_size=self.block_size is not None,
             enable_prefix_caching=self.enable_prefix_caching,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=_host_kv_cache_space(device_config.device_type) or self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
         )
         batched = self.max_num_batched_tokens
@@ -146,3 +147,15 @@ class EngineArgs:
             compilation_config=CompilationConfig(custom_ops=list(self.custom_ops), enforce_eager=self.enforce_eager),
             load_config=LoadConfig(load_format=self.load_format),
         )
+
+
+def _host_kv_cache_space(device_type: str) -> int | None:
+    """``LOOM_CPU_KVCACHE_SPACE`` (GiB) for platforms that compute in host memory; it wins
+    over ``--kv-cache-memory-bytes``."""
+    space = envs.LOOM_CPU_KVCACHE_SPACE
+    if not space or device_type != "cpu":
+        return None
+    try:
+        return int(float(space) * (1 << 30))
+    except ValueError:
+        raise ValueError(f"LOOM_CPU_KVCACHE_SPACE={space!r} is not a number of GiB (e.g. 4 or 0.5)") from None

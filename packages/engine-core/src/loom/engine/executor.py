@@ -45,6 +45,7 @@ def num_blocks_for(config: LoomConfig, available_bytes: int, block_bytes: int) -
 class UniProcExecutor:
     def __init__(self, config: LoomConfig) -> None:
         from ..platforms import current_platform
+        from ..worker.services import EngineWorkerServices
 
         if config.parallel_config.tensor_parallel_size != 1:
             raise ValueError(
@@ -55,9 +56,11 @@ class UniProcExecutor:
         current_platform.register_triton_kernel_overrides()
         worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
         logger.info("Resolved worker class %s", config.parallel_config.worker_cls)
-        self.worker = worker_cls(config, local_rank=0, rank=0, is_driver_worker=True)
+        self.worker = worker_cls(config, local_rank=0, rank=0, is_driver_worker=True,
+                                 services=EngineWorkerServices())
         self.worker.init_device()
         self.worker.load_model()
+        current_platform.update_block_size_for_backend(config)
         available = self.worker.determine_available_memory()
         block_bytes = self.worker.get_kv_cache_block_bytes()
         self.num_blocks = num_blocks_for(config, available, block_bytes)

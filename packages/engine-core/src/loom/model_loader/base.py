@@ -54,12 +54,12 @@ def load_weights_into(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
         )
 
 
-def get_model(config: LoomConfig) -> nn.Module:
-    """Build ``config.model_config.architecture`` on the platform's device and load it."""
+def get_model(config: LoomConfig, device: torch.device | None = None) -> nn.Module:
+    """Build ``config.model_config.architecture`` on ``device`` (default: the platform's) and load it."""
     model_config = config.model_config
     load_format = resolve_load_format(config)
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architecture)
-    device = torch.device(config.device_config.device_type)
+    device = device if device is not None else torch.device(config.device_config.device_type)
     start = time.perf_counter()
     with set_current_config(config), _default_dtype(model_config.torch_dtype), device:
         model = model_cls(config=config)  # type: ignore[call-arg]

@@ -35,6 +35,7 @@ class CpuPlatform(Platform):
     dispatch_key: ClassVar[str] = "CPU"
     dist_backend: ClassVar[str] = "gloo"
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
+    supports_tensor_parallel: ClassVar[bool] = True
 
     @classmethod
     def check_and_update_config(cls, config: Any) -> None:
@@ -57,7 +58,7 @@ class CpuPlatform(Platform):
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
-        return "loom.distributed.communicator.TorchDistributedCommunicator"
+        return "loom_plugin_api.communicator.TorchDistributedCommunicator"
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from loom_plugin_api import AttentionMetadata
+from loom_plugin_api.step import ModelInput, SchedulerOutput
 
-from ..engine.scheduler_output import SchedulerOutput
-
-
-@dataclass(slots=True)
-class ModelInput:
-    input_ids: torch.Tensor  # (T,)
-    positions: torch.Tensor  # (T,)
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # (N,) flat index of the last token of each sampling request
-    sample_req_ids: list[str]
+__all__ = ["ModelInput", "prepare_inputs"]
 
 
 def prepare_inputs(scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> ModelInput:

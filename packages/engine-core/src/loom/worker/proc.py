@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine.executor import resolve_worker_cls
     from ..ipc import messages as m
     from ..ipc.channel import Channel
+    from .services import EngineWorkerServices
 
     channel = Channel("worker", rank)
     config = channel.config()
@@ -41,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("Worker rank %d resolved worker class %s", rank, config.parallel_config.worker_cls)
     worker = worker_cls(
         config, local_rank=rank, rank=rank, distributed_init_method=os.environ.get("LOOM_DIST_INIT_METHOD"),
-        is_driver_worker=rank == 0,
+        is_driver_worker=rank == 0, services=EngineWorkerServices(),
     )
     worker.init_device()
     worker.load_model()
+    current_platform.update_block_size_for_backend(config)
     info = m.WorkerInfo(
         rank=rank, available_bytes=worker.determine_available_memory(),
         block_bytes=worker.get_kv_cache_block_bytes(), block_size=config.cache_config.block_size,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loom import ModelRegistry
+from loom_plugin_api import ModelRegistry
 
 register_calls = 0
 
