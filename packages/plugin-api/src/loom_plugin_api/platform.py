@@ -16,10 +16,13 @@ import argparse
 import enum
 import os
 import random
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     import torch
+
+    from .attention import AttentionSelectorConfig
+    from .config import LoomConfigView
 
 __all__ = ["Platform", "PlatformEnum"]
 
@@ -73,7 +76,7 @@ class Platform:
         """
 
     @classmethod
-    def apply_config_platform_defaults(cls, config: Any) -> None:
+    def apply_config_platform_defaults(cls, config: LoomConfigView) -> None:
         """Fill platform defaults into a ``LoomConfig`` while it is being built.
 
         Runs once per config, in the process that creates it, before the base
@@ -82,7 +85,7 @@ class Platform:
         """
 
     @classmethod
-    def check_and_update_config(cls, config: Any) -> None:
+    def check_and_update_config(cls, config: LoomConfigView) -> None:
         """The platform's last word on a ``LoomConfig``.
 
         Runs once per config at the end of its construction, in the process that creates
@@ -102,11 +105,12 @@ class Platform:
         """
 
     @classmethod
-    def update_block_size_for_backend(cls, config: Any) -> None:
+    def update_block_size_for_backend(cls, config: LoomConfigView) -> None:
         """Pick a KV-cache block size that every attention backend of the model accepts.
 
-        Runs in each worker after ``load_model`` and only changes
-        ``config.cache_config.block_size`` when the user did not set one
+        The runtime calls it in each worker right after ``load_model`` (a worker does not call
+        it itself), before the KV cache is sized. Only change
+        ``config.cache_config.block_size``, and only when the user did not set one
         (``config.cache_config.user_block_size`` is False).
         """
 
@@ -122,7 +126,7 @@ class Platform:
     def get_attn_backend_cls(
         cls,
         selected_backend: str | None,
-        attn_selector_config: Any,
+        attn_selector_config: AttentionSelectorConfig,
         num_heads: int | None = None,
     ) -> str:
         """Return the qualified name of the ``AttentionBackend`` subclass to use.
