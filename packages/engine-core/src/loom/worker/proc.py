@@ -3,20 +3,27 @@
 Start-up (stops 10-11, 14 of the tour, in this process): resolve the platform and run the
 general plugins (a fresh interpreter has empty registries), connect to the supervisor,
 take the config, let the platform replace Triton kernels, resolve ``worker_cls`` by
-name, ``init_device``, ``load_model``, report memory to the engine core, allocate the
-KV cache it sizes, freeze the environment, READY. Then run every EXECUTE it is sent.
+name and build it with the engine's ``WorkerServices``, ``init_device``, ``load_model``,
+the platform's ``update_block_size_for_backend``, report memory to the engine core,
+allocate the KV cache it sizes, freeze the environment, READY. Then run every EXECUTE it
+is sent, until SIGTERM, and ``shutdown``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
-from loom_plugin_api import load_general_plugins
+from loom_plugin_api import WorkerBase, load_general_plugins
 
 from ..logger import init_logger
+
+if TYPE_CHECKING:
+    from ..ipc.channel import Channel
 
 logger = init_logger("loom.worker")
 
@@ -62,6 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     channel.send("engine_core", m.CACHE_READY, info)
     channel.ready()
     logger.info("Worker rank %d is ready", rank)
+    # The supervisor stops a serve with SIGTERM: leave the step loop and let the worker
+    # release its device (the last call of the lifecycle).
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        _serve_steps(channel, worker, rank)
+    finally:
+        worker.shutdown()
+        logger.info("Worker rank %d shut down", rank)
+    return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _serve_steps(channel: Channel, worker: WorkerBase, rank: int) -> None:
+    from ..ipc import messages as m
+
     while True:
         msg = channel.recv()
         if msg is None or msg.kind != m.EXECUTE:
@@ -74,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if output is not None:
             channel.send("engine_core", m.MODEL_OUTPUT, output)
-
 
 if __name__ == "__main__":
     sys.exit(main())
