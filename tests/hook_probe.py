@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from loom.platforms.cpu import CpuPlatform
-from loom_plugin_api import PlatformEnum
+from loom_plugin_api import CPUWorker, PlatformEnum
 
 PROBE_LOG = "LOOM_HOOK_PROBE_LOG"
 
@@ -60,9 +60,35 @@ def _detail(hook: str, args: tuple[Any, ...]) -> Any:
     return None
 
 
+# The worker lifecycle that the runtime drives (loom_plugin_api.worker), recorded as "worker.<name>".
+WORKER_LIFECYCLE = (
+    "init_device", "load_model", "determine_available_memory", "get_kv_cache_block_bytes", "initialize_cache",
+    "execute_model", "shutdown",
+)
+
+
+def _recording_method(name: str) -> Any:
+    def call(self: CPUWorker, *args: Any, **kwargs: Any) -> Any:
+        record(f"worker.{name}")
+        return getattr(super(ProbeWorker, self), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+class ProbeWorker(CPUWorker):
+    """The contract's CPU worker with every lifecycle call recorded."""
+
+
+for _name in WORKER_LIFECYCLE:
+    setattr(ProbeWorker, _name, _recording_method(_name))
+
+
 def _recording(hook: str) -> classmethod:
     def call(cls: type, *args: Any, **kwargs: Any) -> Any:
         record(hook, _detail(hook, args))
+        if hook == "check_and_update_config" and args[0].parallel_config.worker_cls == "auto":
+            args[0].parallel_config.worker_cls = f"{__name__}.ProbeWorker"
         return getattr(super(HookProbePlatform, cls), hook)(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = hook

@@ -113,6 +113,20 @@ def test_worker_hooks_run_in_each_worker_in_order(calls, worker):
     assert [c["detail"] for c in calls if c["role"] == worker and c["hook"] == "set_device"] == ["cpu"]
 
 
+@pytest.mark.parametrize("worker", WORKERS)
+def test_the_runtime_drives_the_worker_lifecycle_in_order(calls, worker):
+    """Each lifecycle call once and in the order loom_plugin_api.worker specifies (a step per
+    EXECUTE), the block size settled between loading and measuring, shutdown on SIGTERM last."""
+    seen = [h for h in hooks_in(calls, worker) if h.startswith("worker.") or h == "update_block_size_for_backend"]
+    steps = seen.count("worker.execute_model")
+    assert steps >= 2, seen  # a prefill and a decode step at least
+    assert [h for h in seen if h != "worker.execute_model"] == [
+        "worker.init_device", "worker.load_model", "update_block_size_for_backend",
+        "worker.determine_available_memory", "worker.get_kv_cache_block_bytes", "worker.initialize_cache",
+        "worker.shutdown"]
+    assert seen[-steps - 1:-1] == ["worker.execute_model"] * steps  # every step after the cache, before shutdown
+
+
 def test_worker_hooks_run_in_workers_only(calls):
     worker_hooks = ("register_triton_kernel_overrides", "set_device", "seed_everything", "get_attn_backend_cls",
                     "get_device_communicator_cls", "update_block_size_for_backend",
