@@ -88,9 +88,3 @@ class CudaWorker(WorkerBase):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         output = self.model_runner.execute_model(scheduler_output)
         return output if self.is_driver_worker else None
-
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -12,36 +12,19 @@ It is built on ``loom_plugin_api`` alone, as a vendor's platform must be.
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from loom_plugin_api import LoomConfigView, Platform, PlatformEnum
+from loom_plugin_api import HostPlatform, LoomConfigView, PlatformEnum
 
 from .logging import logger
-
-if TYPE_CHECKING:
-    import torch
 
 WORKER = "loom_platform_dummy.worker.DummyWorker"
 ATTENTION_BACKEND = "loom_platform_dummy.dummy_attention_backend.DummyAttentionBackend"
 
 
-def _meminfo_bytes(field: str) -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/meminfo has no {field}")
-
-
-class DummyPlatform(Platform):
+class DummyPlatform(HostPlatform):
     _enum: ClassVar[PlatformEnum] = PlatformEnum.OOT
     device_name: ClassVar[str] = "DummyDevice"
-    device_type: ClassVar[str] = "cpu"
-    dispatch_key: ClassVar[str] = "CPU"
-    dist_backend: ClassVar[str] = "gloo"
-    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16")
-    supports_tensor_parallel: ClassVar[bool] = True
 
     @classmethod
     def check_and_update_config(cls, config: LoomConfigView) -> None:
@@ -71,20 +54,3 @@ class DummyPlatform(Platform):
         supported = DummyAttentionBackend.get_supported_block_sizes()
         if not config.cache_config.user_block_size and config.cache_config.block_size not in supported:
             config.cache_config.block_size = supported[0]
-
-    @classmethod
-    def get_device_total_memory(cls, device_id: int = 0) -> int:
-        return _meminfo_bytes("MemTotal")
-
-    @classmethod
-    def get_device_available_memory(cls, device_id: int = 0) -> int:
-        return _meminfo_bytes("MemAvailable")
-
-    @classmethod
-    def set_device(cls, device: torch.device) -> None:
-        # Each rank of a tensor-parallel serve owns a share of the cores (the launcher says how many).
-        threads = os.environ.get("LOOM_CPU_NUM_THREADS")
-        if threads:
-            import torch
-
-            torch.set_num_threads(int(threads))

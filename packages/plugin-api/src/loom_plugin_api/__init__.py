@@ -35,6 +35,7 @@ from .context import (
     set_forward_context,
 )
 from .errors import CustomOpError, ModelRegistryError, PlatformError, PluginError
+from .host_platform import HostPlatform
 from .loader import load_general_plugins, load_plugins_by_group, plugin_records
 from .model_registry import ModelInfo, ModelRegistry
 from .platform import Platform, PlatformEnum
@@ -89,6 +90,7 @@ __all__ = [
     "CustomOpError",
     "DeviceCommunicatorBase",
     "DeviceConfigView",
+    "HostPlatform",
     "LoomConfigView",
     "ModelConfigView",
     "ModelInfo",

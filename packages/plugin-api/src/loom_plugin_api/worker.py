@@ -147,4 +147,9 @@ class WorkerBase(ABC):
         """Run one step; the driver worker returns the sampled tokens, others None."""
 
     def shutdown(self) -> None:
-        """Release the device and leave the tensor-parallel group; called once when the engine stops."""
+        """Release the device and leave the tensor-parallel group; called once when the engine
+        stops. The default leaves the ``torch.distributed`` group if this process joined one."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
