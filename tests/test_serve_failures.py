@@ -51,10 +51,13 @@ def test_corrupt_weights_name_the_worker_and_phase(tiny_llama, tmp_path):
 
 
 def test_worker_cls_that_does_not_resolve(tiny_llama):
+    """Checked where the config is finished: one line, before anything is spawned."""
     proc = run_serve([str(tiny_llama), "--max-model-len", "128", "--worker-cls", "no_such_module.Worker"])
-    out = proc.stderr + proc.stdout
-    assert proc.returncode != 0
-    assert "worker:0 (pid" in out and "no_such_module" in out
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("loom: error: --worker-cls (parallel_config.worker_cls) must name a subclass of "
+                           "loom_plugin_api.WorkerBase, found 'no_such_module.Worker', which does not import")
+    assert "loom-supervisor" not in proc.stderr and "Traceback" not in proc.stderr
 
 
 PLATFORM = """

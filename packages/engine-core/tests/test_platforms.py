@@ -40,8 +40,10 @@ def resolve(monkeypatch):
     monkeypatch.setattr(envs, "_cache", {})
 
     def run(builtins, oot, failed=()):
-        records = [SimpleNamespace(name=name, status="failed", error=error) for name, error in failed]
-        records += [SimpleNamespace(name=name, status="loaded", error=None) for name in oot]
+        records = [SimpleNamespace(name=name, status="failed", error=error, distribution=None, version=None)
+                   for name, error in failed]
+        records += [SimpleNamespace(name=name, status="loaded", error=None, distribution=None, version=None)
+                    for name in oot]
         monkeypatch.setattr(platforms, "builtin_platform_plugins", builtins)
         group = "loom.platform_plugins"
         monkeypatch.setattr(platforms, "load_plugins_by_group", lambda g: dict(oot) if g == group else {})

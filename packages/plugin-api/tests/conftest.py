@@ -12,6 +12,9 @@ def fake_site(tmp_path, monkeypatch):
     site = tmp_path / "site"
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
+    # LOOM_PLUGINS straight from os.environ (monkeypatched by the tests), even when the engine
+    # installed its cached reader earlier in this process.
+    monkeypatch.setattr(loader, "_loom_plugins_reader", loader._read_loom_plugins_from_environ)
     loader._reset_for_tests()
     yield site
     loader._reset_for_tests()

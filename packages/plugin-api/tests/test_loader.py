@@ -4,7 +4,8 @@ import logging
 
 import pytest
 from loom_plugin_api import PluginError, load_general_plugins, load_plugins_by_group, plugin_records
-from loom_plugin_api.loader import general_plugins_loaded
+from loom_plugin_api.loader import general_plugins_loaded, set_loom_plugins_reader
+from loom_plugin_api.validation import installed_contract_version
 from plugin_dists import make_dist
 
 GROUP = "loom.general_plugins"
@@ -140,3 +141,67 @@ def test_general_plugin_records_its_run_and_its_failure(fake_site, monkeypatch):
     (call,) = records["p_first"].calls
     assert call.startswith("ran in ") and 0 <= float(call.split()[2]) < 60
     assert records["p_boom"].status == "failed" and records["p_boom"].error == "RuntimeError: kaput"
+
+
+# ---- the contract range each distribution asks for ------------------------------------------
+IMPORT_MARKER = """
+import sys
+sys.modules[__name__].imported = True
+def run():
+    pass
+"""
+
+
+def test_plugin_whose_range_excludes_the_contract_is_refused_before_import(fake_site, monkeypatch, caplog):
+    installed = installed_contract_version()
+    make_dist(fake_site, "fake-old", {GROUP: {"p_old": "fakeplug_old:run"}}, {"fakeplug_old": IMPORT_MARKER},
+              requires=[f"loom-plugin-api>{installed}", "torch>=2"], version="0.3")
+    monkeypatch.setenv("LOOM_PLUGINS", "p_old")
+    with caplog.at_level(logging.ERROR, logger="loom.plugins"):
+        assert load_plugins_by_group(GROUP) == {}
+    import sys
+
+    assert "fakeplug_old" not in sys.modules  # refused before its code ran
+    record = next(r for r in plugin_records(GROUP) if r.name == "p_old")
+    assert (record.status, record.contract_range, record.compatible) == ("failed", f">{installed}", False)
+    assert record.error == (
+        f"plugin 'p_old' of group {GROUP} (fake-old 0.3) requires loom-plugin-api>{installed}, but "
+        f'loom-plugin-api {installed} is installed: pip install "loom-plugin-api>{installed}", or upgrade '
+        f"fake-old to a release built for loom-plugin-api {installed}"
+    )
+    assert record.error in caplog.text
+    with pytest.raises(PluginError) as excinfo:  # a general plugin that cannot load stops start-up
+        load_general_plugins()
+    assert record.error in str(excinfo.value) and "\n" not in str(excinfo.value)
+
+
+def test_plugin_whose_range_includes_the_contract_loads(fake_site, monkeypatch):
+    make_dist(fake_site, "fake-new", {GROUP: {"p_new": "fakeplug_new:run"}}, {"fakeplug_new": IMPORT_MARKER},
+              requires=["loom-plugin-api >=1, <2", "Loom_Plugin.API!=1.0.5 ; python_version >= '3'"])
+    monkeypatch.setenv("LOOM_PLUGINS", "p_new")
+    assert list(load_plugins_by_group(GROUP)) == ["p_new"]
+    record = next(r for r in plugin_records(GROUP) if r.name == "p_new")
+    assert (record.status, record.contract_range, record.compatible) == ("loaded", "!=1.0.5,<2,>=1", True)
+
+
+def test_plugin_without_a_declared_range_loads_with_a_warning(fake_site, monkeypatch, caplog):
+    # A requirement of an extra is not the plugin's: it declares no range.
+    make_dist(fake_site, "fake-free", {GROUP: {"p_free": "fakeplug_free:run"}}, {"fakeplug_free": IMPORT_MARKER},
+              requires=['loom-plugin-api<1; extra == "docs"'])
+    monkeypatch.setenv("LOOM_PLUGINS", "p_free")
+    with caplog.at_level(logging.WARNING, logger="loom.plugins"):
+        assert list(load_plugins_by_group(GROUP)) == ["p_free"]
+    record = next(r for r in plugin_records(GROUP) if r.name == "p_free")
+    assert (record.status, record.contract_range, record.compatible) == ("loaded", None, None)
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    message = warning.getMessage()
+    assert "'p_free'" in message and GROUP in message and "fake-free 0.1" in message
+    assert "does not declare which loom-plugin-api" in message and "loading it anyway" in message
+
+
+def test_loom_plugins_is_read_through_the_installed_reader(fake_site, monkeypatch):
+    make_dist(fake_site, "fake-a", {GROUP: {"p_first": "fakeplug_a:first", "p_second": "fakeplug_a:second"}},
+              {"fakeplug_a": MODULE})
+    monkeypatch.setenv("LOOM_PLUGINS", "p_first")
+    set_loom_plugins_reader(lambda: "p_second")  # the fixture puts the environ reader back
+    assert list(load_plugins_by_group(GROUP)) == ["p_second"]

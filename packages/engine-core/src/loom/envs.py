@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from loom_plugin_api import loader as _plugin_loader
+
 _cache_enabled = False
 _cache: dict[str, Any] = {}
 
@@ -43,11 +45,22 @@ environment_variables: dict[str, Callable[[], Any]] = {
 def __getattr__(name: str) -> Any:
     if name not in environment_variables:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _value(name)
+
+
+def _value(name: str) -> Any:
     if _cache_enabled:
         if name not in _cache:
             _cache[name] = environment_variables[name]()
         return _cache[name]
     return environment_variables[name]()
+
+
+# The contract's plugin loader sits below the engine and cannot import it, so the engine
+# hands it the reader: LOOM_PLUGINS then goes through this cache like every LOOM_* variable.
+# Before this module is imported nothing can have enabled the cache, and the loader's own
+# default (os.environ) reads the same value.
+_plugin_loader.set_loom_plugins_reader(lambda: _value("LOOM_PLUGINS"))
 
 
 def enable_envs_cache() -> None:

@@ -49,6 +49,7 @@ from .step import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from .validation import installed_contract_version, validate_platform_cls, validate_worker_cls
 from .worker import WorkerBase, WorkerServices
 
 if TYPE_CHECKING:
@@ -117,10 +118,13 @@ __all__ = [
     "get_current_config",
     "get_current_platform",
     "get_forward_context",
+    "installed_contract_version",
     "load_general_plugins",
     "load_plugins_by_group",
     "plugin_records",
     "resolve_obj_by_qualname",
     "set_current_config",
     "set_forward_context",
+    "validate_platform_cls",
+    "validate_worker_cls",
 ]

@@ -8,7 +8,8 @@ class PluginError(RuntimeError):
 
 
 class PlatformError(RuntimeError):
-    """The platform could not be resolved (none, or more than one out-of-tree answered)."""
+    """The platform could not be resolved (none, or more than one out-of-tree answered), or its
+    class does not follow the contract (``loom_plugin_api.validation``)."""
 
 
 class ModelRegistryError(ValueError):

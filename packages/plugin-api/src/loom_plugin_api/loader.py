@@ -8,7 +8,15 @@ everything here is once-per-process and idempotent:
 * ``load_general_plugins`` calls the general plugins once per process.
 
 ``LOOM_PLUGINS`` (comma-separated entry-point names, spaces stripped) limits what loads:
-unset loads every plugin, an empty string loads none.
+unset loads every plugin, an empty string loads none. The engine reads it through its
+environment cache (``loom.envs`` installs the reader with :func:`set_loom_plugins_reader`);
+without the engine it is read from ``os.environ``.
+
+Before a plugin is imported, its distribution's requirement on ``loom-plugin-api``
+(``Requires-Dist``) is checked against the installed contract: a plugin whose range excludes
+it is refused like a plugin that fails to import (status ``"failed"``, logged at ERROR, and a
+:class:`PluginError` for general plugins); a distribution that declares no range is loaded
+with a warning.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 
 from ._groups import ALL_GROUPS, GENERAL_PLUGINS_GROUP
 from .errors import PluginError
+from .validation import contract_mismatch, contract_range
 
 logger = logging.getLogger("loom.plugins")
 
@@ -34,6 +43,7 @@ __all__ = [
     "load_general_plugins",
     "load_plugins_by_group",
     "plugin_records",
+    "set_loom_plugins_reader",
 ]
 
 
@@ -50,6 +60,11 @@ class PluginRecord:
     error: str | None = None
     load_seconds: float = 0.0
     calls: list[str] = field(default_factory=list)
+    contract_range: str | None = None
+    """The distribution's requirement on loom-plugin-api (``""``: any version); None when it
+    declares none or the entry point belongs to no distribution."""
+    compatible: bool | None = None
+    """Whether ``contract_range`` includes the installed contract; None when not declared."""
 
 
 _records: dict[tuple[str, str], PluginRecord] = {}
@@ -59,9 +74,22 @@ _general_plugins_error: PluginError | None = None
 _unknown_names_warned = False
 
 
+def _read_loom_plugins_from_environ() -> str | None:
+    return os.environ.get("LOOM_PLUGINS")
+
+
+_loom_plugins_reader: Callable[[], str | None] = _read_loom_plugins_from_environ
+
+
+def set_loom_plugins_reader(reader: Callable[[], str | None]) -> None:
+    """Read ``LOOM_PLUGINS`` through ``reader`` from now on (the engine's environment cache)."""
+    global _loom_plugins_reader
+    _loom_plugins_reader = reader
+
+
 def allowed_plugin_names() -> set[str] | None:
     """Names allowed by ``LOOM_PLUGINS``; None when the variable is unset (all allowed)."""
-    raw = os.environ.get("LOOM_PLUGINS")
+    raw = _loom_plugins_reader()
     if raw is None:
         return None
     return {name.strip() for name in raw.split(",") if name.strip()}
@@ -128,6 +156,8 @@ def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
         if allowed is not None and ep.name not in allowed:
             logger.debug("Plugin %s of group %s is filtered out by LOOM_PLUGINS", ep.name, group)
             continue
+        if not _contract_allows(ep, group, record):
+            continue
         start = time.perf_counter()
         try:
             obj = ep.load()
@@ -156,6 +186,32 @@ def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
         )
     _loaded_groups[group] = plugins
     return plugins
+
+
+def _contract_allows(ep: EntryPoint, group: str, record: PluginRecord) -> bool:
+    """Check the distribution's range of loom-plugin-api; refuse the plugin when it excludes
+    the installed contract (recorded and logged like an import failure)."""
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return True  # not from an installed distribution (nothing declares a range)
+    spec = contract_range(dist)
+    plugin = f"plugin {ep.name!r} of group {group}"
+    if spec is None:
+        logger.warning(
+            "%s (%s %s) does not declare which loom-plugin-api it was built for; loading it anyway. "
+            'Add "loom-plugin-api>=1,<2" (the range it supports) to its dependencies.',
+            plugin, record.distribution, record.version,
+        )
+        return True
+    record.contract_range = str(spec)
+    mismatch = contract_mismatch(plugin, dist)
+    record.compatible = mismatch is None
+    if mismatch is None:
+        return True
+    record.status = "failed"
+    record.error = str(PluginError(mismatch))
+    logger.error("%s", record.error)
+    return False
 
 
 def plugin_records(group: str | None = None) -> list[PluginRecord]:

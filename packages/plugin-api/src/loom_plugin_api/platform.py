@@ -133,7 +133,10 @@ class Platform:
 
         Asked by the attention selector while a worker builds the model, once for each
         distinct argument set (the selector caches the answer). ``selected_backend`` is
-        the backend name the user forced (``LOOM_ATTENTION_BACKEND``), or None.
+        the backend name the user forced (``LOOM_ATTENTION_BACKEND``), or None. An
+        out-of-tree platform is also asked once where the config is finished (the CLI or
+        ``LLM`` process, ``selected_backend`` None), so that a name that does not import or
+        does not subclass ``AttentionBackend`` stops the serve before anything is spawned.
         """
         raise NotImplementedError(f"{cls.__name__} does not provide an attention backend")
 
@@ -141,7 +144,9 @@ class Platform:
     def get_device_communicator_cls(cls) -> str:
         """Qualified name of the device communicator for tensor-parallel collectives.
 
-        Asked by a worker that sets up a tensor-parallel group of more than one rank.
+        Asked by a worker that sets up a tensor-parallel group of more than one rank, and,
+        for an out-of-tree platform, once where the config is finished, to check that the
+        name imports and subclasses ``DeviceCommunicatorBase``.
         """
         return "loom_plugin_api.communicator.TorchDistributedCommunicator"
 

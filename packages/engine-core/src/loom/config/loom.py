@@ -27,7 +27,7 @@ class LoomConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
 
     def __post_init__(self) -> None:
-        from ..platforms import current_platform
+        from ..platforms import current_platform, validate_platform_names
 
         current_platform.apply_config_platform_defaults(self)
         custom_ops = self.compilation_config.custom_ops
@@ -36,6 +36,7 @@ class LoomConfig:
             # own op implementations are on unless the user or platform says otherwise.
             custom_ops.append("all")
         logger.debug("custom_ops before the platform's check: %s", custom_ops)
+        worker_cls_chosen_by_user = self.parallel_config.worker_cls != "auto"
         current_platform.check_and_update_config(self)
         # The platform may have replaced the list; validate what it left.
         CompilationConfig(custom_ops=list(self.compilation_config.custom_ops))
@@ -44,6 +45,9 @@ class LoomConfig:
                 f"platform {type(current_platform).__name__} did not set worker_cls in "
                 "check_and_update_config; it must name its worker class"
             )
+        # worker_cls, the attention backend and the communicator import and subclass the
+        # contract's bases: a wrong name stops here, in this process, before anything is spawned.
+        validate_platform_names(self, worker_cls_chosen_by_user=worker_cls_chosen_by_user)
         self._verify_tensor_parallel()
         max_len = self.model_config.max_model_len
         sched = self.scheduler_config

@@ -9,6 +9,11 @@ Rules (stop 3 of the start-up):
 3. With no out-of-tree answer, the first built-in that answered wins (cuda before cpu).
 4. ``LOOM_PLATFORM=<detector name>`` forces that detector's answer.
 
+The winning class is validated against the contract as it is resolved (hook signatures,
+names close to a hook's: ``loom_plugin_api.validation``); the names its hooks return are
+checked by :func:`validate_platform_names` where the config is finished, once, before any
+process is spawned (they import torch, which processes that never compute do not load).
+
 Every verdict (answered, None, or raised with its reason) is logged and kept in
 ``detector_verdicts()`` for ``loom plugins``. ``import loom`` does not resolve anything.
 """
@@ -25,6 +30,7 @@ from loom_plugin_api import PLATFORM_PLUGINS_GROUP, Platform, PlatformError, loa
 from loom_plugin_api import context as _plugin_context
 from loom_plugin_api._qualname import resolve_obj_by_qualname
 from loom_plugin_api.loader import plugin_records
+from loom_plugin_api.validation import validate_platform_cls, validate_worker_cls
 
 from .. import envs
 from ..logger import init_logger
@@ -34,7 +40,14 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["DetectorVerdict", "current_platform", "detector_verdicts", "resolve_current_platform"]
+__all__ = [
+    "DetectorVerdict",
+    "current_platform",
+    "detector_verdicts",
+    "platform_plugin",
+    "resolve_current_platform",
+    "validate_platform_names",
+]
 
 
 def cuda_platform_plugin() -> str | None:
@@ -214,12 +227,64 @@ def resolve_current_platform() -> Platform:
             f"platform plugin {winner.name} named {qualname!r}, which is not a loom_plugin_api.Platform "
             "subclass; fix the plugin or uninstall it"
         )
+    plugin = _describe_plugin(winner)
+    for warning in validate_platform_cls(platform_cls, plugin, resolve_names=False):
+        logger.warning("%s", warning)
     platform = platform_cls()
     logger.info(
         "Resolved platform %s (%s) from detector %s in %.3f s",
         type(platform).__name__, platform.device_name, winner.name, time.perf_counter() - start,
     )
     return platform
+
+
+def _describe_plugin(winner: DetectorVerdict) -> str:
+    """``'name' (distribution version)``: where the platform class comes from, for messages."""
+    if winner.builtin:
+        return f"{winner.name!r} (built into loom-engine)"
+    record = next((r for r in plugin_records(PLATFORM_PLUGINS_GROUP) if r.name == winner.name), None)
+    if record is None or record.distribution is None:
+        return f"{winner.name!r}"
+    return f"{winner.name!r} ({record.distribution} {record.version})"
+
+
+def platform_plugin() -> str:
+    """Where this process's platform comes from (detector and distribution); resolves it."""
+    platform = _get_current_platform()
+    winner = next((v for v in _verdicts if v.won), None)
+    if winner is None:  # set up without the detectors (tests)
+        return repr(f"{type(platform).__module__}.{type(platform).__qualname__}")
+    return _describe_plugin(winner)
+
+
+def validate_platform_names(config: Any, *, worker_cls_chosen_by_user: bool = False) -> None:
+    """Check the qualified names the platform's hooks returned for ``config``: ``worker_cls``
+    (set by ``check_and_update_config``, or by the user), the attention backend for the
+    model's head size and dtype, and the communicator must import and subclass the
+    contract's bases.
+
+    Called once, where the config is finished, before any process is spawned; raises
+    ``PlatformError`` naming the plugin, the hook, what was expected and what was found.
+    """
+    platform_cls = type(_get_current_platform())
+    plugin = platform_plugin()
+    builtin = platform_cls.__module__.startswith("loom.")
+    if builtin and not worker_cls_chosen_by_user:
+        # The built-in platforms' names are the engine's own (its tests import them); importing
+        # them here would put torch into the CLI process, which only the workers need.
+        return
+    validate_worker_cls(config.parallel_config.worker_cls, plugin, platform_cls,
+                        chosen_by_user=worker_cls_chosen_by_user)
+    if builtin:
+        return
+    import torch
+    from loom_plugin_api import AttentionSelectorConfig
+
+    selector = AttentionSelectorConfig(
+        head_size=config.model_config.get_head_size(), dtype=getattr(torch, config.model_config.dtype),
+        block_size=config.cache_config.block_size,
+    )
+    validate_platform_cls(platform_cls, plugin, selector=selector)
 
 
 def detector_verdicts() -> list[DetectorVerdict]:

@@ -1,0 +1,163 @@
+"""Ops tier: every op the platform replaces against the contract's ``forward_native``.
+
+An op is replaced by a class (``CustomOp.register_oot``: the in-tree class builds the
+replacement, which runs the platform's forward method) or by a kernel
+(``CustomOp.register_kernel``: the in-tree class's ``forward_cuda`` calls it). Both are
+looked at after the general plugins ran and ``register_triton_kernel_overrides()`` was
+called, as in a worker process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from .. import ops
+from ..custom_op import FORWARD_METHOD_BY_PLATFORM, KERNEL_SIGNATURES, kernel_registry, op_registry_oot
+from ..platform import Platform
+from ._platform import PlatformUnderTest
+from ._tolerances import ELEMENTWISE, assert_close, torch_dtype
+
+pytestmark = pytest.mark.ops
+
+DTYPES = ("float32", "bfloat16", "float16")
+NUM_TOKENS = (1, 7, 33)
+
+
+def _rms_norm(dtype: torch.dtype, device: str, g: torch.Generator) -> list[tuple[Any, tuple[Any, ...]]]:
+    cases = []
+    for hidden in (64, 96, 1024):
+        op = ops.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+        op.weight.data = torch.randn(hidden, generator=g).to(dtype)
+        for t in NUM_TOKENS:
+            x = torch.randn(t, hidden, generator=g).to(dtype)
+            cases.append((op, (x,)))
+            cases.append((op, (x, torch.randn(t, hidden, generator=g).to(dtype))))
+    return cases
+
+
+def _layer_norm(dtype: torch.dtype, device: str, g: torch.Generator) -> list[tuple[Any, tuple[Any, ...]]]:
+    cases = []
+    for hidden in (64, 96, 1024):
+        op = ops.LayerNorm(hidden, eps=1e-5, dtype=dtype)
+        op.weight.data = torch.randn(hidden, generator=g).to(dtype)
+        op.bias.data = torch.randn(hidden, generator=g).to(dtype)
+        cases += [(op, (torch.randn(t, hidden, generator=g).to(dtype),)) for t in NUM_TOKENS]
+    return cases
+
+
+def _rotary(dtype: torch.dtype, device: str, g: torch.Generator) -> list[tuple[Any, tuple[Any, ...]]]:
+    cases = []
+    for head_size, rotary_dim, neox in ((64, 64, True), (64, 64, False), (128, 64, True), (32, 32, True)):
+        op = ops.RotaryEmbedding(head_size, rotary_dim, 512, 10000.0, is_neox_style=neox, dtype=dtype)
+        for t in NUM_TOKENS:
+            positions = torch.randint(0, 512, (t,), generator=g)
+            q = torch.randn(t, 4 * head_size, generator=g).to(dtype)
+            k = torch.randn(t, 2 * head_size, generator=g).to(dtype)
+            cases.append((op, (positions, q, k)))
+    return cases
+
+
+def _silu_and_mul(dtype: torch.dtype, device: str, g: torch.Generator) -> list[tuple[Any, tuple[Any, ...]]]:
+    op = ops.SiluAndMul()
+    return [(op, (torch.randn(t, 2 * d, generator=g).to(dtype),)) for d in (64, 96, 1376) for t in NUM_TOKENS]
+
+
+CASES: dict[str, Callable[[torch.dtype, str, torch.Generator], list[tuple[Any, tuple[Any, ...]]]]] = {
+    "rms_norm": _rms_norm,
+    "layer_norm": _layer_norm,
+    "rotary_embedding": _rotary,
+    "silu_and_mul": _silu_and_mul,
+}
+
+
+def _outputs(out: Any) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _check(
+    op_name: str, dtype_name: str, device: str, run: Callable[[Any, tuple[Any, ...]], Any], what: str
+) -> None:
+    in_tree = getattr(ops, ops.REPLACEABLE_OPS[op_name])
+    g = torch.Generator().manual_seed(0)
+    for i, (op, args) in enumerate(CASES[op_name](torch_dtype(dtype_name), device, g)):
+        op = op.to(device)
+        args = tuple(a.to(device) for a in args)
+        # Clones: a kernel may work in place (the rotary one does).
+        expected = _outputs(in_tree.forward_native(op, *(a.clone() for a in args)))
+        actual = _outputs(run(op, tuple(a.clone() for a in args)))
+        if len(actual) != len(expected):
+            pytest.fail(f"{what} returned {len(actual)} tensors, forward_native returns {len(expected)}")
+        shapes = ", ".join(str(tuple(a.shape)) for a in args)
+        for j, (a, e) in enumerate(zip(actual, expected)):
+            if a.dtype != e.dtype:
+                pytest.fail(
+                    f"{what} output {j} is {a.dtype}; forward_native's is {e.dtype} (keep the input dtype)"
+                )
+            assert_close(
+                a,
+                e,
+                ELEMENTWISE[dtype_name],
+                f"{what} case {i} (inputs {shapes}, {dtype_name}) output {j} vs forward_native",
+            )
+
+
+def _dtype_or_skip(platform_cls: type[Platform], dtype: str) -> None:
+    if dtype not in platform_cls.supported_dtypes:
+        pytest.skip(f"{platform_cls.__qualname__}.supported_dtypes does not declare {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op_name", list(ops.REPLACEABLE_OPS))
+def test_replaced_class_matches_forward_native(
+    platform_in_this_process: Platform,
+    platform_cls: type[Platform],
+    loom_platform_under_test: PlatformUnderTest,
+    op_name: str,
+    dtype: str,
+) -> None:
+    class_name = ops.REPLACEABLE_OPS[op_name]
+    replacement = op_registry_oot.get(class_name)
+    if replacement is None:
+        pytest.skip(f"the platform registers no replacement class for {class_name}")
+    _dtype_or_skip(platform_cls, dtype)
+    method = FORWARD_METHOD_BY_PLATFORM.get(platform_cls._enum, "forward_native")
+    what = f"{replacement.__module__}.{replacement.__qualname__}.{method}"
+    with torch.inference_mode():
+        _check(
+            op_name,
+            dtype,
+            loom_platform_under_test.device(),
+            lambda op, args: getattr(op, method)(*args),
+            what,
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op_name", list(KERNEL_SIGNATURES))
+def test_installed_kernel_matches_forward_native(
+    platform_in_this_process: Platform,
+    platform_cls: type[Platform],
+    loom_platform_under_test: PlatformUnderTest,
+    op_name: str,
+    dtype: str,
+) -> None:
+    kernel = kernel_registry.get(op_name)
+    if kernel is None:
+        pytest.skip(f"the platform installs no {op_name} kernel")
+    _dtype_or_skip(platform_cls, dtype)
+    in_tree = getattr(ops, ops.REPLACEABLE_OPS[op_name])
+    what = (
+        f"kernel {op_name} ({getattr(kernel, '__module__', '?')}.{getattr(kernel, '__qualname__', kernel)})"
+    )
+    with torch.inference_mode():
+        _check(
+            op_name,
+            dtype,
+            loom_platform_under_test.device(),
+            lambda op, args: in_tree.forward_cuda(op, *args),
+            what,
+        )
