@@ -40,14 +40,20 @@ def test_two_out_of_tree_platforms_is_an_error(tmp_path):
     assert "oot_one" in proc.stderr and "oot_two" in proc.stderr
 
 
-def test_raising_and_absent_detectors_are_reported(tmp_path):
+def test_a_raising_out_of_tree_detector_stops_resolution_with_its_reason(tmp_path):
+    """A vendor's detector that raises is a broken platform: no quiet fallback to the CPU."""
     write_fake_dist(tmp_path, "fake-bad", {GROUP: {"oot_raises": "fakeplat:raises", "oot_absent": "fakeplat:absent"}},
                     "fakeplat", SOURCE)
     proc = run_python(RESOLVE, tmp_path, env={"LOOM_PLUGINS": "oot_raises,oot_absent"})
+    assert proc.returncode != 0 and "PLATFORM" not in proc.stdout
+    assert ("out-of-tree platform plugin oot_raises raised: OSError: driver missing. Fix or uninstall it, leave it "
+            "out with LOOM_PLUGINS, or choose a platform with LOOM_PLATFORM=<name>") in proc.stderr
+    assert "oot_raises failed during detection: OSError: driver missing" in proc.stderr
+    assert "Platform detector oot_absent: None" in proc.stderr
+    # the user's own choice of platform still serves
+    proc = run_python(RESOLVE, tmp_path, env={"LOOM_PLUGINS": "oot_raises,oot_absent", "LOOM_PLATFORM": "cpu"})
     assert proc.returncode == 0, proc.stderr
     assert "PLATFORM CpuPlatform" in proc.stdout
-    assert "WARNING" in proc.stderr and "oot_raises failed during detection: OSError: driver missing" in proc.stderr
-    assert "Platform detector oot_absent: None" in proc.stderr
 
 
 def test_loom_platform_forces_a_detector(tmp_path):
@@ -71,11 +77,12 @@ def test_loom_plugins_empty_loads_no_platform_plugin(tmp_path):
 def test_loom_plugins_command_shows_everything(tmp_path):
     write_fake_dist(tmp_path, "fake-bad", {GROUP: {"oot_raises": "fakeplat:raises"}}, "fakeplat", SOURCE)
     proc = run_python("from loom.entrypoints.cli.main import main; raise SystemExit(main(['plugins']))", tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # every group and verdict is shown, and the failed resolution
     out = proc.stdout
     for text in ("LOOM_PLUGINS: unset", "[loom.platform_plugins]", "oot_raises = fakeplat:raises  [fake-bad 0.1; loom-plugin-api range not declared]",
                  "oot_raises (out-of-tree): raised: OSError: driver missing", "cpu (built-in): answered",
-                 "[loom.general_plugins]", "[loom.stat_logger_plugins]", "[loom.endpoint_plugins]", "platform: "):
+                 "[loom.general_plugins]", "[loom.stat_logger_plugins]", "[loom.endpoint_plugins]",
+                 "platform: FAILED: out-of-tree platform plugin oot_raises raised: OSError: driver missing"):
         assert text in out, text
 
 

@@ -108,18 +108,41 @@ def test_loom_platform_forces_its_detector(resolve, monkeypatch):
     assert str(e.value) == "LOOM_PLATFORM='nosuch' is not installed; detectors: cpu, oot"
 
 
-def test_raising_invalid_and_unloadable_detectors_are_verdicts(resolve):
+def test_raising_invalid_and_unloadable_detectors_are_verdicts_and_stop_resolution(resolve):
     def raises():
         raise OSError("driver missing")
 
-    resolve({"cpu": lambda: CPU}, {"boom": raises, "odd": lambda: 3}, failed=[("broken", "ImportError: x")])
+    with pytest.raises(PlatformError) as e:
+        resolve({"cpu": lambda: CPU}, {"boom": raises, "odd": lambda: 3}, failed=[("broken", "ImportError: x")])
+    # one message naming each broken out-of-tree platform, and what to do: no quiet fallback to cpu
+    assert str(e.value) == (
+        "out-of-tree platform plugin broken raised: failed to load: ImportError: x; boom raised: OSError: driver "
+        "missing; odd raised: returned 3, not a qualified class name or None. Fix or uninstall it, leave it out "
+        "with LOOM_PLUGINS, or choose a platform with LOOM_PLATFORM=<name>")
     verdicts = _verdicts()
     assert list(verdicts) == ["cpu", "broken", "boom", "odd"]
     assert verdicts["boom"].describe() == "raised: OSError: driver missing"
     assert verdicts["odd"].describe() == "raised: returned 3, not a qualified class name or None"
     assert verdicts["broken"].describe() == "raised: failed to load: ImportError: x"
-    assert verdicts["cpu"].won and not any(v.answer for n, v in verdicts.items() if n != "cpu")
+    assert not any(v.won for v in verdicts.values())
     assert [v.builtin for v in verdicts.values()] == [True, False, False, False]
+
+
+def test_a_broken_out_of_tree_platform_is_passed_over_when_another_is_chosen(resolve, monkeypatch):
+    def raises():
+        raise OSError("driver missing")
+
+    monkeypatch.setenv("LOOM_PLATFORM", "cpu")
+    resolve({"cpu": lambda: CPU}, {"boom": raises})
+    assert _verdicts()["cpu"].won
+
+
+def test_a_raising_builtin_detector_does_not_stop_resolution(resolve):
+    def raises():
+        raise OSError("no driver")
+
+    resolve({"cuda": raises, "cpu": lambda: CPU}, {})
+    assert _verdicts()["cpu"].won and _verdicts()["cuda"].raised
 
 
 def test_nothing_answering_is_an_error(resolve):

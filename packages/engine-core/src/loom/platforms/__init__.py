@@ -195,6 +195,12 @@ def resolve_current_platform() -> Platform:
             raise PlatformError(f"LOOM_PLATFORM={forced!r} {why}; detectors: {known}")
         winner = chosen[0]
         qualname = winner.answer
+    elif broken := [v for v in verdicts if v.raised and not v.builtin]:
+        # A vendor's platform that fails must not leave the serve quietly on another device.
+        raise PlatformError(
+            "out-of-tree platform plugin " + "; ".join(f"{v.name} {v.describe()}" for v in broken)
+            + ". Fix or uninstall it, leave it out with LOOM_PLUGINS, or choose a platform with LOOM_PLATFORM=<name>"
+        )
     elif len(oot) >= 2:
         raise PlatformError(
             "Only one platform plugin can be activated, but these out-of-tree plugins all "
