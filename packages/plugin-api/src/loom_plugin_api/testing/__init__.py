@@ -32,6 +32,6 @@ with the reason. Only the worker and serve tiers import the engine (lazily).
 
 from __future__ import annotations
 
-from .plugin import TIERS
+from .tiers import TIERS
 
 __all__ = ["TIERS"]

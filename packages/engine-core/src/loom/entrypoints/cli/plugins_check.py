@@ -35,8 +35,10 @@ def add_subcommand(plugins_parser: argparse.ArgumentParser) -> None:
 def pytest_args(args: argparse.Namespace, workdir: Path) -> list[str]:
     ini = workdir / "pytest.ini"
     ini.write_text("[pytest]\n")
+    # --confcutdir: no conftest.py above the empty folder takes part (a project's own rules,
+    # such as a checkout's, would otherwise apply to the kit where it is installed).
     argv = ["--pyargs", "loom_plugin_api.testing", "--loom-platform", args.name, "-c", str(ini),
-            "--rootdir", str(workdir), "-p", "no:cacheprovider", "-q", "-rfs",
+            "--rootdir", str(workdir), "--confcutdir", str(workdir), "-p", "no:cacheprovider", "-q", "-rfs",
             # The contract is already imported here; the kit's messages do not come from asserts.
             "-W", "ignore::pytest.PytestAssertRewriteWarning"]
     if args.tiers:
