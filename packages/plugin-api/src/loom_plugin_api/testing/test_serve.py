@@ -21,6 +21,7 @@ import pytest
 
 from ..platform import Platform
 from ._platform import PlatformUnderTest
+from ._processes import group_alive
 from ._tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.serve
@@ -54,14 +55,6 @@ def _wait_ready(proc: subprocess.Popen[str], url: str, log: Path) -> None:
             return
         time.sleep(0.3)  # polling /health, bounded by the deadline
     pytest.fail(f"loom serve was not ready in {READY_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +101,7 @@ def serve_run(
             run["returncode"] = proc.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             run["returncode"] = None
-        run["left"] = _group_alive(proc.pid)
+        run["left"] = group_alive(proc.pid)
         if run["left"] or run["returncode"] is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

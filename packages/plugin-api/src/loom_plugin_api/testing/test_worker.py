@@ -18,6 +18,7 @@ import pytest
 
 from ..platform import Platform
 from ._platform import PlatformUnderTest
+from ._processes import group_alive
 from ._tiny_models import build_tiny_model, hf_greedy
 
 pytestmark = pytest.mark.worker
@@ -32,14 +33,6 @@ STAGES = [
     "execute_model",
     "shutdown",
 ]
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module", params=["llama", "opt"])
@@ -77,7 +70,7 @@ def worker_run(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log = proc.communicate()[0]
-    left = _group_alive(proc.pid)
+    left = group_alive(proc.pid)
     if left:
         os.killpg(proc.pid, signal.SIGKILL)
     lines = events.read_text().splitlines() if events.exists() else []
