@@ -2,7 +2,10 @@
 
 * ``lint``          ruff over every package; the plugin boundary (import-linter: the platforms,
                     the test plugins and loom_plugin_api import nothing from ``loom``); the
-                    versioned API of loom-plugin-api (scripts/api_surface.py --check).
+                    engine's layering (nothing below ``loom.engine`` imports it or the entry
+                    points); every import inside a function says why it is lazy
+                    (scripts/check_function_imports.py); the versioned API of loom-plugin-api
+                    (scripts/api_surface.py --check).
 * ``rust``          the supervisor crate: ``cargo test`` and its Python end-to-end tests.
 * ``tests-cpu``     loom-plugin-api + loom-engine: the built-in CPU platform.
 * ``tests-dummy``   the same plus loom-platform-dummy and the tests/plugins packages: the
@@ -185,6 +188,11 @@ def lint(session: nox.Session) -> None:
     # so the src/ folders go on PYTHONPATH instead of installing the packages and torch.
     sources = _import_contract_sources(session)
     session.run("lint-imports", "--no-cache", "--no-logo", env={"PYTHONPATH": os.pathsep.join(sources)})
+    # the engine's layering: lower modules never import loom.engine or loom.entrypoints (engine-core's pyproject)
+    session.run("lint-imports", "--no-cache", "--no-logo", "packages/engine-core/pyproject.toml",
+                env={"PYTHONPATH": os.pathsep.join(["packages/engine-core/src", *sources])})
+    # an import inside a function says why it is lazy (torch kept out of a process, an optional dependency)
+    session.run("python", "scripts/check_function_imports.py")
     session.run("python", "scripts/api_surface.py", "--check")
 
 

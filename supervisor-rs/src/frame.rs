@@ -1,5 +1,6 @@
 //! The wire format: a 4-byte big-endian length, then a msgpack array
-//! `[protocol_version: int, src: str, dst: str, kind: str, body: bin]`.
+//! `[version: int, src: str, dst: str, kind: str, body: bin]`, `version` being
+//! `spec::WIRE_VERSION`.
 //!
 //! The supervisor parses only the header to route a frame and forwards the received bytes
 //! unchanged (length prefix included), so relaying never re-encodes a body.

@@ -25,7 +25,7 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::mpsc;
 
 pub use error::{Error, Result};
-pub use spec::{Plan, PROTOCOL_VERSION};
+pub use spec::{Plan, WIRE_VERSION};
 pub use supervisor::{supervise, Outcome};
 
 /// Supervises `plan` until it ends and returns the exit code to use: 0 after a requested

@@ -12,7 +12,7 @@ use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
 use crate::error::Error;
-use crate::spec::{Plan, PROTOCOL_VERSION};
+use crate::spec::{Plan, WIRE_VERSION};
 
 create_exception!(loom_supervisor, SupervisorError, PyException, "Base class of every supervisor error.");
 create_exception!(loom_supervisor, PlanError, SupervisorError, "The launch plan is invalid, or could not be built.");
@@ -38,7 +38,7 @@ fn to_py(err: Error) -> PyErr {
 ///
 /// Supervises a msgpack-encoded launch plan until the serve ends; returns the exit code
 /// to use. The GIL is released meanwhile. `loom_supervisor.run` wraps this and also
-/// accepts a dict.
+/// accepts a `loom_supervisor.Plan` or a mapping.
 #[pyfunction]
 fn run(py: Python<'_>, plan: &[u8]) -> PyResult<i32> {
     let plan = Plan::from_msgpack(plan).map_err(to_py)?;
@@ -63,7 +63,7 @@ fn _native(py: Python<'_>, m: &PyModule) -> PyResult<()> {
     m.add("PlanError", py.get_type::<PlanError>())?;
     m.add("SpawnError", py.get_type::<SpawnError>())?;
     m.add("SetupError", py.get_type::<SetupError>())?;
-    m.add("PROTOCOL_VERSION", PROTOCOL_VERSION)?;
+    m.add("WIRE_VERSION", WIRE_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

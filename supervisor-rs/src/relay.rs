@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::frame::{self, kind, Frame, FrameReader, Header};
 use crate::hello::{check_hello, Expected};
-use crate::spec::{Address, Plan, ProcessSpec, Role, PROTOCOL_VERSION};
+use crate::spec::{Address, Plan, ProcessSpec, Role, WIRE_VERSION};
 use crate::supervisor::Event;
 
 const OUTBOX_FRAMES: usize = 1024;
@@ -27,7 +27,7 @@ type Bytes = Arc<Vec<u8>>;
 /// Why a well-formed frame was not relayed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RouteError {
-    #[error("protocol version {0}; this supervisor speaks {PROTOCOL_VERSION}")]
+    #[error("wire version {0}; this supervisor speaks {WIRE_VERSION}")]
     Version(u32),
     #[error("src {claimed:?} is not the sender, which registered as {actual}")]
     Spoofed { claimed: String, actual: Address },
@@ -79,7 +79,7 @@ impl Routes {
 
     /// Decides where a frame from child `sender` goes.
     pub fn route(&self, sender: usize, header: &Header) -> Result<Route, RouteError> {
-        if header.version != PROTOCOL_VERSION {
+        if header.version != WIRE_VERSION {
             return Err(RouteError::Version(header.version));
         }
         let actual = self.addresses[sender];
@@ -116,7 +116,7 @@ pub struct Relay {
     pub routes: Routes,
     pub by_pid: HashMap<u32, usize>,
     roles: Vec<(Role, u32)>,
-    protocol_version: u32,
+    messages_version: u32,
     config: Vec<u8>,
     max_frame_bytes: usize,
     events: mpsc::UnboundedSender<Event>,
@@ -128,7 +128,7 @@ impl Relay {
             routes: Routes::new(plan),
             by_pid: pids.iter().enumerate().map(|(i, &pid)| (pid, i)).collect(),
             roles: plan.processes.iter().map(|p| (p.role, p.rank)).collect(),
-            protocol_version: plan.protocol_version,
+            messages_version: plan.messages_version,
             config: plan.config.clone(),
             max_frame_bytes: plan.max_frame_bytes,
             events,
@@ -185,7 +185,7 @@ async fn connection(stream: UnixStream, relay: Arc<Relay>) {
             log::warn!("{me} (pid {pid}): {} frame before HELLO dropped", frame.header.kind);
             continue;
         }
-        let expected = Expected { address: me, role: relay.roles[idx], pid, protocol_version: relay.protocol_version };
+        let expected = Expected { address: me, role: relay.roles[idx], pid, messages_version: relay.messages_version };
         if let Err(reason) = check_hello(&frame, &expected) {
             relay.event(Event::BadHello { idx, reason });
             return;
@@ -197,7 +197,7 @@ async fn connection(stream: UnixStream, relay: Arc<Relay>) {
         return;
     };
     relay.event(Event::Hello { idx });
-    let config = match frame::encode(PROTOCOL_VERSION, "supervisor", &me.to_string(), kind::CONFIG, &relay.config) {
+    let config = match frame::encode(WIRE_VERSION, "supervisor", &me.to_string(), kind::CONFIG, &relay.config) {
         Ok(bytes) => bytes,
         Err(e) => {
             relay.event(Event::BadHello { idx, reason: format!("cannot encode its CONFIG: {e}") });
@@ -304,7 +304,7 @@ mod tests {
     }
 
     fn header(src: &str, dst: &str) -> Header {
-        Header { version: PROTOCOL_VERSION, src: src.into(), dst: dst.into(), kind: "ECHO".into(), body: 0..0 }
+        Header { version: WIRE_VERSION, src: src.into(), dst: dst.into(), kind: "ECHO".into(), body: 0..0 }
     }
 
     #[test]
@@ -340,11 +340,11 @@ mod tests {
     }
 
     #[test]
-    fn other_protocol_versions_are_rejected() {
+    fn other_wire_versions_are_rejected() {
         let routes = Routes::new(&plan());
         let mut h = header("frontend", "engine_core");
-        h.version = PROTOCOL_VERSION + 1;
-        assert_eq!(routes.route(0, &h), Err(RouteError::Version(PROTOCOL_VERSION + 1)));
+        h.version = WIRE_VERSION + 1;
+        assert_eq!(routes.route(0, &h), Err(RouteError::Version(WIRE_VERSION + 1)));
     }
 
     #[test]

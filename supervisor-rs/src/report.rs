@@ -261,9 +261,9 @@ mod tests {
         assert_eq!((body.exit_code, body.signal, body.phase.as_str()), (None, None, "hello"));
         assert_eq!(body.reason, "worker:1 missed its start-up deadline: did not take its CONFIG within 2 s");
         assert!(body.stderr_tail.is_empty());
-        let body = decode(&who(), Cause::BadHello("it speaks protocol version 9".into()), Phase::Spawned, &[]);
+        let body = decode(&who(), Cause::BadHello("it speaks messages version 9".into()), Phase::Spawned, &[]);
         assert_eq!((body.exit_code, body.signal, body.phase.as_str()), (None, None, "spawned"));
-        assert_eq!(body.reason, "worker:1 was stopped at HELLO: it speaks protocol version 9");
+        assert_eq!(body.reason, "worker:1 was stopped at HELLO: it speaks messages version 9");
     }
 
     #[test]

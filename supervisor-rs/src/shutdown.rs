@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use crate::frame::{self, kind};
 use crate::report::{self, secs, Failure, Phase};
 use crate::spawn::Exit;
-use crate::spec::{Role, PROTOCOL_VERSION};
+use crate::spec::{Role, WIRE_VERSION};
 use crate::supervisor::Supervisor;
 
 /// How long the lead gets to flush (error events to clients) after PEER_DIED.
@@ -92,7 +92,7 @@ impl Supervisor {
     }
 
     fn send_to_lead(&self, dst: &str, kind: &str, body: &[u8]) -> bool {
-        match frame::encode(PROTOCOL_VERSION, "supervisor", dst, kind, body) {
+        match frame::encode(WIRE_VERSION, "supervisor", dst, kind, body) {
             Ok(bytes) => self.relay.routes.try_deliver(self.lead, Arc::new(bytes)),
             Err(e) => {
                 log::warn!("cannot encode {kind} for {dst}: {e}");

@@ -2,8 +2,8 @@
 //!
 //! The CLI process (`loom serve`) builds the plan in Python and hands it over as msgpack
 //! (`loom_supervisor.run` packs a dict; `loom-supervisor serve` reads it from
-//! `python -m loom.entrypoints.plan`). Field names are the wire names, documented in
-//! `python/loom_supervisor/__init__.pyi`.
+//! `python -m loom.entrypoints.plan`). Field names are the wire names; the Python side is
+//! the `loom_supervisor.Plan` dataclass, whose defaults are the ones applied here.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -13,9 +13,9 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 
-/// Version of the wire format (the frame header's first item). It is also the default
-/// of the plan's `protocol_version`, the version a child's HELLO body must state.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version of the wire format: the frame header's first item, and nothing else. (It is
+/// also the default of the plan's `messages_version`, which versions loom's messages.)
+pub const WIRE_VERSION: u32 = 1;
 
 /// Environment variables the supervisor sets in every child, over the plan's `env`.
 pub const ENV_SOCKET: &str = "LOOM_SUPERVISOR_SOCKET";
@@ -137,13 +137,16 @@ pub struct Plan {
     pub max_frame_bytes: usize,
     /// Printed once every process is READY.
     pub ready_url: Option<String>,
-    /// The version of the messages the children exchange: every HELLO must state it,
-    /// so a child from another installation is stopped before it misreads a message.
-    pub protocol_version: u32,
+    /// The version of the message schema the children exchange (owned by loom, opaque
+    /// here): every HELLO must state it, so a child from another installation is stopped
+    /// before it misreads a message.
+    pub messages_version: u32,
 }
 
-/// The plan as it arrives on the wire (msgpack map with these keys).
+/// The plan as it arrives on the wire (msgpack map with these keys). An unknown key is
+/// an error, not ignored: a misspelt or renamed limit must not silently become a default.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawPlan {
     processes: Vec<RawProcess>,
     #[serde(default, with = "serde_bytes")]
@@ -157,10 +160,11 @@ struct RawPlan {
     #[serde(default)]
     ready_url: Option<String>,
     #[serde(default)]
-    protocol_version: Option<u32>,
+    messages_version: Option<u32>,
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawProcess {
     role: String,
     #[serde(default)]
@@ -221,7 +225,7 @@ impl Plan {
             grace_period: seconds("grace_period_s", raw.grace_period_s, DEFAULT_GRACE_PERIOD_S, true)?,
             max_frame_bytes,
             ready_url: raw.ready_url,
-            protocol_version: raw.protocol_version.unwrap_or(PROTOCOL_VERSION),
+            messages_version: raw.messages_version.unwrap_or(WIRE_VERSION),
         })
     }
 
@@ -268,6 +272,20 @@ mod tests {
         rmp_serde::to_vec_named(&doc).unwrap()
     }
 
+    /// A one-process plan with one extra top-level key.
+    fn with_key(key: &str, value: u32) -> Vec<u8> {
+        let mut doc = std::collections::BTreeMap::new();
+        doc.insert(key, value);
+        #[derive(Serialize)]
+        struct Versioned<'a> {
+            processes: Vec<P<'a>>,
+            #[serde(flatten)]
+            extra: std::collections::BTreeMap<&'a str, u32>,
+        }
+        let processes = vec![P { role: "worker", rank: 0, argv: vec!["/bin/true"] }];
+        rmp_serde::to_vec_named(&Versioned { processes, extra: doc }).unwrap()
+    }
+
     #[test]
     fn addresses_round_trip() {
         for text in ["frontend", "engine_core", "worker:0", "worker:12", "workers", "supervisor"] {
@@ -292,6 +310,40 @@ mod tests {
         assert_eq!(plan.max_frame_bytes, 1 << 20);
         assert_eq!(plan.processes[1].address(), Address::Worker(1));
         assert_eq!(plan.lead(), 0);
+        assert_eq!(plan.messages_version, WIRE_VERSION);
+    }
+
+    #[test]
+    fn the_plan_sets_the_messages_version() {
+        assert_eq!(Plan::from_msgpack(&with_key("messages_version", 7)).unwrap().messages_version, 7);
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_by_name() {
+        // The old name of `messages_version` must not fall back to the default silently.
+        let err = Plan::from_msgpack(&with_key("protocol_version", 7)).unwrap_err().to_string();
+        assert!(err.contains("unknown field `protocol_version`"), "{err}");
+        assert!(err.contains("`messages_version`"), "{err}");
+        #[derive(Serialize)]
+        struct Proc<'a> {
+            role: &'a str,
+            argv: Vec<&'a str>,
+            environment: Vec<&'a str>,
+        }
+        #[derive(Serialize)]
+        struct OneProc<'a> {
+            processes: Vec<Proc<'a>>,
+        }
+        let doc = OneProc { processes: vec![Proc { role: "worker", argv: vec!["/bin/true"], environment: vec![] }] };
+        let err = Plan::from_msgpack(&rmp_serde::to_vec_named(&doc).unwrap()).unwrap_err().to_string();
+        assert!(err.contains("unknown field `environment`"), "{err}");
+    }
+
+    #[test]
+    fn a_process_without_env_gets_an_empty_environment() {
+        let plan = Plan::from_msgpack(&with_key("max_frame_bytes", 4096)).unwrap();
+        assert!(plan.processes[0].env.is_empty());
+        assert_eq!(plan.processes[0].rank, 0);
     }
 
     #[test]

@@ -33,7 +33,7 @@ pub enum Event {
     Hello {
         idx: usize,
     },
-    /// Fatal for that child (wrong protocol version, wrong identity, bad body).
+    /// Fatal for that child (wrong wire or messages version, wrong identity, bad body).
     BadHello {
         idx: usize,
         reason: String,

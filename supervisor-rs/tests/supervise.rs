@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use loom_supervisor::frame::{self, Header};
 use loom_supervisor::logs::ConsoleThread;
-use loom_supervisor::{supervise, Error, Outcome, Plan, PROTOCOL_VERSION};
+use loom_supervisor::{supervise, Error, Outcome, Plan, WIRE_VERSION};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -179,11 +179,11 @@ fn lead_child_process() {
         role: &'static str,
         rank: u32,
         pid: u32,
-        protocol_version: u32,
+        messages_version: u32,
     }
-    let hello = Hello { role: "frontend", rank: 0, pid: std::process::id(), protocol_version: PROTOCOL_VERSION };
+    let hello = Hello { role: "frontend", rank: 0, pid: std::process::id(), messages_version: WIRE_VERSION };
     let send = |sock: &mut UnixStream, kind: &str, body: &[u8]| {
-        sock.write_all(&frame::encode(PROTOCOL_VERSION, "frontend", "supervisor", kind, body).unwrap()).unwrap();
+        sock.write_all(&frame::encode(WIRE_VERSION, "frontend", "supervisor", kind, body).unwrap()).unwrap();
     };
     send(&mut sock, "HELLO", &rmp_serde::to_vec_named(&hello).unwrap());
     assert_eq!(read_frame(&mut sock).0.kind, "CONFIG");

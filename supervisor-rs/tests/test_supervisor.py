@@ -7,6 +7,7 @@ tests can signal and SIGKILL it; one test runs ``loom_supervisor.run`` in-proces
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,11 +18,12 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any, Literal
 
 import loom_supervisor
 import msgpack
 import pytest
-from loom_supervisor import client
+from loom_supervisor import Plan, ProcessPlan, client
 
 # One script for every child; BEHAVIOUR (from the plan's env) picks what it does.
 CHILD = textwrap.dedent(
@@ -48,7 +50,9 @@ CHILD = textwrap.dedent(
         raise RuntimeError("weights file is corrupt")
 
     conn = client.connect()
-    config = conn.hello(protocol_version=int(os.environ.get("HELLO_VERSION", "1")))
+    version = int(os.environ.get("HELLO_VERSION", "1"))
+    # Both call forms: loom passes (role, rank, messages_version) positionally.
+    config = conn.hello(role, rank, version) if behaviour == "finish" else conn.hello(messages_version=version)
     assert config == b"CFG", config
     if behaviour in ("crash_after_hello", "killed_after_hello") and role == "worker" and rank == 1:
         log("INFO loading model")
@@ -110,8 +114,9 @@ CHILD = textwrap.dedent(
                 sys.exit(0)
             if frame.kind == client.PEER_DIED:
                 assert frame.src == client.SUPERVISOR, frame
+                died = client.PeerDied.from_frame(frame)
                 with open(os.path.join(here, "peer_died.json.partial"), "w") as f:
-                    json.dump(client.decode_body(frame), f)
+                    json.dump({"body": client.decode_body(frame), "described": died.describe()}, f)
                 os.rename(os.path.join(here, "peer_died.json.partial"), os.path.join(here, "peer_died.json"))
                 log("PEER_DIED received")
                 sys.exit(0)
@@ -133,24 +138,26 @@ def child(tmp_path: Path) -> Path:
     return path
 
 
-def make_plan(child: Path, behaviour: str, roles: list[tuple[str, int]], hello_version: int = 1,
-              **limits: object) -> dict:
+Role = Literal["frontend", "engine_core", "worker"]
+
+
+def make_plan(child: Path, behaviour: str, roles: list[tuple[Role, int]], hello_version: int = 1,
+              **limits: Any) -> Plan:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "BEHAVIOUR": behaviour, "PYTHONUNBUFFERED": "1",
            "HELLO_VERSION": str(hello_version)}
-    processes = [{"role": r, "rank": k, "argv": [sys.executable, str(child)], "env": env} for r, k in roles]
-    plan = {"processes": processes, "config": b"CFG", "startup_timeout_s": 20.0, "grace_period_s": 3.0,
-            "max_frame_bytes": 4096, "ready_url": "http://127.0.0.1:8000"}
-    plan.update(limits)
-    return plan
+    processes = [ProcessPlan(role=r, rank=k, argv=[sys.executable, str(child)], env=env) for r, k in roles]
+    settings: dict[str, Any] = {"config": b"CFG", "startup_timeout_s": 20.0, "grace_period_s": 3.0,
+                                "max_frame_bytes": 4096, "ready_url": "http://127.0.0.1:8000", **limits}
+    return Plan(processes=processes, **settings)
 
 
-FOUR = [("frontend", 0), ("engine_core", 0), ("worker", 0), ("worker", 1)]
+FOUR: list[tuple[Role, int]] = [("frontend", 0), ("engine_core", 0), ("worker", 0), ("worker", 1)]
 
 
 class Serve:
     """`python -m loom_supervisor run-plan -` in a subprocess, its stderr collected."""
 
-    def __init__(self, plan: dict, runtime_dir: Path) -> None:
+    def __init__(self, plan: Plan, runtime_dir: Path) -> None:
         runtime_dir.mkdir(exist_ok=True)
         self.runtime_dir = runtime_dir
         env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime_dir)}
@@ -159,7 +166,7 @@ class Serve:
             stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
         )
         assert self.proc.stdin and self.proc.stderr
-        self.proc.stdin.write(msgpack.packb(plan, use_bin_type=True))
+        self.proc.stdin.write(plan.to_msgpack())
         self.proc.stdin.close()
         self.lines: list[str] = []
         self._changed = threading.Condition()
@@ -212,8 +219,66 @@ def assert_all_gone(pids: list[int], timeout: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-def test_protocol_versions_agree() -> None:
-    assert client.PROTOCOL_VERSION == loom_supervisor.PROTOCOL_VERSION
+def test_wire_versions_agree() -> None:
+    assert client.WIRE_VERSION == loom_supervisor.WIRE_VERSION
+    assert not hasattr(loom_supervisor, "PROTOCOL_VERSION") and not hasattr(client, "PROTOCOL_VERSION")
+
+
+def test_plan_defaults_and_wire_form() -> None:
+    worker = ProcessPlan(role="worker", argv=("/bin/true",))
+    assert (worker.rank, worker.env) == (0, {})
+    plan = Plan(processes=[worker])
+    assert plan.to_wire() == {
+        "processes": [{"role": "worker", "rank": 0, "argv": ["/bin/true"], "env": {}}],
+        "config": b"", "startup_timeout_s": 300.0, "grace_period_s": 10.0, "max_frame_bytes": 64 << 20,
+        "ready_url": None, "messages_version": loom_supervisor.WIRE_VERSION,
+    }
+    assert msgpack.unpackb(plan.to_msgpack(), raw=False) == plan.to_wire()
+    with pytest.raises(TypeError):
+        Plan([worker])  # type: ignore[call-arg]  # keyword-only
+    with pytest.raises(loom_supervisor.PlanError, match=r"processes\[0\] is a dict; expected a ProcessPlan"):
+        Plan(processes=[{"role": "worker", "argv": ["x"]}]).to_wire()  # type: ignore[list-item]
+
+
+def frame_of(body: object, kind: str = client.PEER_DIED) -> client.Frame:
+    return client.Frame(1, client.SUPERVISOR, "frontend", kind, msgpack.packb(body, use_bin_type=True))
+
+
+PEER_DIED_BODY = {"role": "worker", "rank": 1, "pid": 123, "exit_code": None, "signal": "SIGKILL",
+                  "phase": "running", "reason": "worker:1 was killed by SIGKILL", "stderr_tail": ["a", "oom"]}
+
+
+def test_peer_died_from_a_good_body() -> None:
+    died = client.PeerDied.from_frame(frame_of({**PEER_DIED_BODY, "later_field": 1}))
+    assert died == client.PeerDied(role="worker", rank=1, pid=123, exit_code=None, signal="SIGKILL",
+                                   phase="running", reason="worker:1 was killed by SIGKILL",
+                                   stderr_tail=("a", "oom"))
+    assert died.describe() == "worker:1 (pid 123) died with signal SIGKILL during running: worker:1 was killed by SIGKILL"
+    exited = dataclasses.replace(died, role="engine_core", rank=0, exit_code=3, signal=None, reason="")
+    assert exited.describe() == "engine_core (pid 123) died with exit code 3 during running: oom"
+    stopped = dataclasses.replace(died, signal=None, phase="hello", stderr_tail=(),
+                                  reason="worker:1 missed its start-up deadline: did not take its CONFIG within 2 s")
+    assert stopped.describe() == (
+        "worker:1 (pid 123) was stopped during hello: worker:1 missed its start-up deadline: "
+        "did not take its CONFIG within 2 s"
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        died.pid = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(("frame", "message"), [
+    (frame_of({k: v for k, v in PEER_DIED_BODY.items() if k != "pid"}), "PEER_DIED body has no 'pid'"),
+    (frame_of({**PEER_DIED_BODY, "rank": "1"}), "field 'rank' is '1'; expected int"),
+    (frame_of({**PEER_DIED_BODY, "exit_code": True}), "field 'exit_code' is True; expected int or None"),
+    (frame_of({**PEER_DIED_BODY, "signal": 9}), "field 'signal' is 9; expected str or None"),
+    (frame_of({**PEER_DIED_BODY, "stderr_tail": ["ok", 3]}), "'stderr_tail' holds a non-string"),
+    (frame_of([1, 2]), "body is a list; expected a map"),
+    (client.Frame(1, client.SUPERVISOR, "frontend", client.PEER_DIED, b"\xc1"), "body is not msgpack"),
+    (frame_of(PEER_DIED_BODY, kind=client.SHUTDOWN), "expected a PEER_DIED frame, got SHUTDOWN"),
+])
+def test_peer_died_rejects_a_malformed_body(frame: client.Frame, message: str) -> None:
+    with pytest.raises(client.ProtocolError, match=re.escape(message)):
+        client.PeerDied.from_frame(frame)
 
 
 def test_frames_round_trip_through_the_decoder() -> None:
@@ -306,12 +371,15 @@ def test_a_crash_during_start_up_is_reported_with_its_phase(
     assert "stopped the other 3 processes; exiting with code 1" in text
     # The frontend heard about it first, with the same facts.
     assert "[frontend] PEER_DIED received" in text
-    died = json.loads((child.parent / "peer_died.json").read_text())
+    received = json.loads((child.parent / "peer_died.json").read_text())
+    died = received["body"]
     assert died == {
         "role": "worker", "rank": 1, "pid": pid, "exit_code": exit_code, "signal": sig, "phase": "config",
         "reason": f"worker:1 {ended}", "stderr_tail": died["stderr_tail"],
     }
     assert died["stderr_tail"][0] == "INFO loading model" and died["stderr_tail"][-1] == last_line
+    how = f"signal {sig}" if sig else f"exit code {exit_code}"
+    assert received["described"] == f"worker:1 (pid {pid}) died with {how} during config: worker:1 {ended}"
     # The report comes last, in one piece.
     assert text.rstrip().endswith("exiting with code 1")
     assert list((tmp_path / "xdg").iterdir()) == []
@@ -332,16 +400,19 @@ def test_a_missed_ready_deadline_is_reported(child: Path, tmp_path: Path) -> Non
     assert "worker:0" in serve.text and "sent no READY within 2 s in start-up phase 'config'" in serve.text
 
 
-def test_a_hello_with_another_protocol_version_stops_the_serve(child: Path, tmp_path: Path) -> None:
-    plan = make_plan(child, "serve", [("frontend", 0), ("worker", 0)], hello_version=99, protocol_version=7)
+def test_a_hello_with_another_messages_version_stops_the_serve(child: Path, tmp_path: Path) -> None:
+    plan = make_plan(child, "serve", [("frontend", 0), ("worker", 0)], hello_version=99, messages_version=7)
     serve = Serve(plan, tmp_path / "xdg")
     assert serve.finish() == 1, serve.text
-    assert "was stopped at HELLO: it speaks protocol version 99; the plan expects 7" in serve.text
+    assert "was stopped at HELLO: it speaks messages version 99; the plan expects 7" in serve.text
 
 
-def test_the_plan_sets_the_protocol_version(child: Path) -> None:
-    plan = make_plan(child, "finish", [("frontend", 0), ("worker", 0)], hello_version=7, protocol_version=7)
-    assert loom_supervisor.run(plan) == 0
+@pytest.mark.parametrize("form", ["plan", "msgpack", "mapping"])
+def test_the_plan_sets_the_messages_version(child: Path, form: str) -> None:
+    plan = make_plan(child, "finish", [("frontend", 0), ("worker", 0)], hello_version=7, messages_version=7)
+    forms: dict[str, Plan | bytes | dict[str, Any]] = {"plan": plan, "msgpack": plan.to_msgpack(),
+                                                      "mapping": plan.to_wire()}
+    assert loom_supervisor.run(forms[form]) == 0
 
 
 def test_run_in_process_twice_and_signal_handlers_restored(child: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -378,6 +449,11 @@ def test_plan_errors_are_exceptions(tmp_path: Path) -> None:
         loom_supervisor.run({"processes": [{"role": "gpu", "argv": ["x"]}]})
     with pytest.raises(loom_supervisor.PlanError, match="msgpack"):
         loom_supervisor.run({"processes": [], "config": object()})
+    with pytest.raises(loom_supervisor.PlanError, match="msgpack"):
+        loom_supervisor.run(Plan(processes=[], config=object()))  # type: ignore[arg-type]
+    # A renamed or misspelt key is an error, not a silent default.
+    with pytest.raises(loom_supervisor.PlanError, match="unknown field `protocol_version`"):
+        loom_supervisor.run({"processes": [{"role": "worker", "argv": ["x"]}], "protocol_version": 2})
     with pytest.raises(loom_supervisor.SpawnError, match="worker:0"):
         loom_supervisor.run({"processes": [{"role": "worker", "argv": [str(tmp_path / "missing")]}]})
     assert issubclass(loom_supervisor.SpawnError, loom_supervisor.SupervisorError)
@@ -389,7 +465,7 @@ def test_cli_serve_asks_python_for_the_plan(child: Path, tmp_path: Path) -> None
     (fake / "loom" / "__init__.py").write_text("")
     (fake / "loom" / "entrypoints" / "__init__.py").write_text("")
     plan = make_plan(child, "finish", [("frontend", 0), ("worker", 0)])
-    (fake / "plan.bin").write_bytes(msgpack.packb(plan, use_bin_type=True))
+    (fake / "plan.bin").write_bytes(plan.to_msgpack())
     (fake / "loom" / "entrypoints" / "plan.py").write_text(textwrap.dedent(
         f"""
         import sys

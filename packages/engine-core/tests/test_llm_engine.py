@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.llm_engine import EngineStepError, LLMEngine
-from loom.engine.scheduler_output import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 from loom.outputs import RequestOutput
 from loom.sampling_params import SamplingParams
+from loom_plugin_api.step import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 
 BS = 4
 V = 500  # ids below 500 are plain ASCII pieces in GPT-2's vocabulary

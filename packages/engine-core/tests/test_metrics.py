@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 from loom.engine.arg_utils import EngineArgs
-from loom.engine.async_llm import InprocAsyncLLM
+from loom.engine.inproc import InprocAsyncLLM
 from loom.entrypoints.openai import build_app
 from prometheus_client.parser import text_string_to_metric_families
 from server_thread import ServerThread

@@ -8,11 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 from loom.config import CacheConfig, SchedulerConfig
-from loom.engine.async_llm import EngineDeadError, InprocAsyncLLM, RequestFailedError
-from loom.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loom.engine.errors import EngineDeadError, RequestFailedError
+from loom.engine.inproc import InprocAsyncLLM
 from loom.metrics import load_stat_loggers
 from loom.sampling_params import SamplingParams
 from loom_plugin_api import PluginError
+from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
 
 TOKEN = 11  # never the EOS below, so max_tokens ends every request
 
@@ -190,14 +191,14 @@ def test_dead_engine_fails_every_request_and_names_the_cause() -> None:
 def test_stat_logger_factory_without_record_is_a_clear_error(monkeypatch) -> None:
     import loom.metrics as metrics
 
-    monkeypatch.setattr(metrics, "load_plugins_by_group", lambda group: {"no_record": lambda config: object()})
-    monkeypatch.setattr(metrics, "plugin_records", lambda group: [])
+    monkeypatch.setattr(metrics, "load_plugins_strict",
+                        lambda group, *, kind: {"no_record": lambda config: object()})
     with pytest.raises(TypeError, match="'no_record'.*no record"):
         load_stat_loggers(SimpleNamespace())
 
     def boom(config):
         raise RuntimeError("no config for me")
 
-    monkeypatch.setattr(metrics, "load_plugins_by_group", lambda group: {"boom": boom})
+    monkeypatch.setattr(metrics, "load_plugins_strict", lambda group, *, kind: {"boom": boom})
     with pytest.raises(PluginError, match="'boom'.*no config for me"):
         load_stat_loggers(SimpleNamespace())

@@ -16,7 +16,9 @@ import openai
 import pytest
 from fastapi import FastAPI
 from loom.engine.arg_utils import EngineArgs
-from loom.engine.async_llm import EngineClient, EngineDeadError, InprocAsyncLLM
+from loom.engine.client import EngineClient
+from loom.engine.errors import EngineDeadError
+from loom.engine.inproc import InprocAsyncLLM
 from loom.entrypoints.openai import build_app, serve_http
 from loom.entrypoints.openai.api_server import apply_endpoint_plugins
 from loom.outputs import CompletionOutput, RequestOutput

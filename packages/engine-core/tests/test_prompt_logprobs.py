@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loom.engine.scheduler_output import ScheduledRequest
 from loom.worker.prompt_logprobs import PromptLogprobsState, collect_prompt_logprobs
+from loom_plugin_api.step import ScheduledRequest
 
 V = 16
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]

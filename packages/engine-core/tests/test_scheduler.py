@@ -7,14 +7,14 @@ from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.block_manager import BlockManager
 from loom.engine.request import Request, RequestStatus
 from loom.engine.scheduler import Scheduler
-from loom.engine.scheduler_output import (
+from loom.sampling_params import SamplingParams
+from loom_plugin_api.step import (
     ModelRunnerOutput,
     NewRequestData,
     PromptLogprobs,
     SampledLogprobs,
     SchedulerOutput,
 )
-from loom.sampling_params import SamplingParams
 
 BS = 4
 VOCAB = 1000

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from loom.engine.async_llm import EngineClient, RequestFailedError
+from loom.engine.client import EngineClient
+from loom.engine.errors import RequestFailedError
 from loom.outputs import CompletionOutput, Logprob, RequestOutput, merge_deltas
 
 

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from loom.engine.arg_utils import EngineArgs
-from loom.engine.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from loom.layers.activation import SiluAndMul
 from loom.layers.attention import Attention
 from loom.layers.layernorm import RMSNorm
@@ -28,6 +27,7 @@ from loom_platform_cuda.attention import TritonAttentionBackend, TritonAttention
 from loom_platform_cuda.model_runner import CudaModelRunner, EagerGraph
 from loom_platform_cuda.platform import CudaPlatform
 from loom_plugin_api import CustomOp, PlatformEnum
+from loom_plugin_api.step import NewRequestData, ScheduledRequest, SchedulerOutput
 from tiny_models import build_tiny_model
 
 BLOCK = 16

@@ -3,7 +3,15 @@ from __future__ import annotations
 import logging
 
 import pytest
-from loom_plugin_api import PluginError, load_general_plugins, load_plugins_by_group, plugin_records
+from loom_plugin_api import (
+    ENDPOINT_PLUGINS_GROUP,
+    STAT_LOGGER_PLUGINS_GROUP,
+    PluginError,
+    load_general_plugins,
+    load_plugins_by_group,
+    load_plugins_strict,
+    plugin_records,
+)
 from loom_plugin_api.loader import general_plugins_loaded, set_loom_plugins_reader
 from loom_plugin_api.validation import installed_contract_version
 from plugin_dists import make_dist
@@ -141,6 +149,35 @@ def test_general_plugin_records_its_run_and_its_failure(fake_site, monkeypatch):
     (call,) = records["p_first"].calls
     assert call.startswith("ran in ") and 0 <= float(call.split()[2]) < 60
     assert records["p_boom"].status == "failed" and records["p_boom"].error == "RuntimeError: kaput"
+
+
+def test_strict_load_names_the_first_failed_plugin_of_its_group(fake_site, monkeypatch):
+    make_dist(fake_site, "fake-a", {STAT_LOGGER_PLUGINS_GROUP: {"p_ok": "fakeplug_a:first",
+                                                                "p_nc": "fakeplug_a:NOT_CALLABLE",
+                                                                "p_b": "fakeplug_missing:x"},
+                                    ENDPOINT_PLUGINS_GROUP: {"p_routes": "fakeplug_a:second"},
+                                    GROUP: {"p_broken": "fakeplug_missing:y"}},
+              {"fakeplug_a": MODULE})
+    monkeypatch.setenv("LOOM_PLUGINS", "p_ok,p_nc,p_b,p_routes,p_broken")
+    expected = ("stat-logger plugin 'p_nc' (fakeplug_a:NOT_CALLABLE, from fake-a) failed to load: entry "
+                "point value 'fakeplug_a:NOT_CALLABLE' is a int, not a callable. Fix or uninstall it, or leave "
+                "it out with LOOM_PLUGINS.")
+    with pytest.raises(PluginError) as excinfo:
+        load_plugins_strict(STAT_LOGGER_PLUGINS_GROUP, kind="stat-logger")
+    assert str(excinfo.value) == expected
+    with pytest.raises(PluginError) as again:  # cached: a later call raises the same way
+        load_plugins_strict(STAT_LOGGER_PLUGINS_GROUP, kind="stat-logger")
+    assert str(again.value) == expected
+    assert list(load_plugins_by_group(STAT_LOGGER_PLUGINS_GROUP)) == ["p_ok"]  # the lenient call
+    # a failed plugin of another group does not matter; a group without one gives the lenient call's dict
+    routes = load_plugins_strict(ENDPOINT_PLUGINS_GROUP, kind="endpoint")
+    assert list(routes) == ["p_routes"] and routes is load_plugins_by_group(ENDPOINT_PLUGINS_GROUP)
+    with pytest.raises(PluginError) as general:
+        load_plugins_strict(GROUP, kind="general")
+    assert str(general.value) == (
+        "general plugin 'p_broken' (fakeplug_missing:y, from fake-a) failed to load: ModuleNotFoundError: No "
+        "module named 'fakeplug_missing'. Fix or uninstall it, or leave it out with LOOM_PLUGINS."
+    )
 
 
 # ---- the contract range each distribution asks for ------------------------------------------

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import sys
 
+from ._native import main as _main
+
 
 def main() -> None:
-    from ._native import main as _main
-
     # `serve` asks this interpreter for the plan unless $LOOM_PYTHON says otherwise.
     sys.exit(_main(["loom-supervisor", *sys.argv[1:]], sys.executable))
 

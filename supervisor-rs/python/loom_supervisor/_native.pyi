@@ -1,16 +1,16 @@
 # Hand-written stub for the PyO3 module built from supervisor-rs/src/python.rs.
 __all__ = [
-    "PROTOCOL_VERSION",
     "PlanError",
     "SetupError",
     "SpawnError",
     "SupervisorError",
+    "WIRE_VERSION",
     "__version__",
     "main",
     "run",
 ]
 
-PROTOCOL_VERSION: int
+WIRE_VERSION: int
 __version__: str
 
 class SupervisorError(Exception): ...

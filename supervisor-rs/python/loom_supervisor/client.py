@@ -18,7 +18,12 @@ Wire format: a 4-byte big-endian length, then the msgpack array
 sender; destination only) and ``supervisor``. The supervisor sends ``CONFIG`` (the
 plan's config bytes), ``SHUTDOWN`` to the frontend when asked to stop (drain, then
 exit 0), and ``PEER_DIED`` to the frontend when another process died (body: msgpack
-map ``{role, rank, pid, exit_code, signal, phase, reason, stderr_tail}``).
+map ``{role, rank, pid, exit_code, signal, phase, reason, stderr_tail}``, decoded by
+``PeerDied.from_frame``).
+
+``WIRE_VERSION`` versions the frame format only. The messages the children exchange are
+loom's; their schema version (``messages_version``) is stated in every HELLO and must
+equal the plan's.
 
 ``encode`` and ``Decoder`` are the framing alone, for event loops that own the socket.
 """
@@ -33,19 +38,21 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from time import monotonic as _monotonic
-from typing import Any, overload
+from types import NoneType
+from typing import Any, ClassVar, overload
 
 import msgpack
 
 __all__ = [
-    "PROTOCOL_VERSION", "ENV_SOCKET", "ENV_ROLE", "ENV_RANK", "SUPERVISOR", "WORKERS",
+    "WIRE_VERSION", "ENV_SOCKET", "ENV_ROLE", "ENV_RANK", "SUPERVISOR", "WORKERS",
     "HELLO", "CONFIG", "READY", "SHUTDOWN", "PEER_DIED",
-    "Frame", "ProtocolError", "Client", "Decoder", "address", "connect", "encode", "decode_body",
+    "Frame", "PeerDied", "ProtocolError", "Client", "Decoder", "address", "connect", "encode", "decode_body",
 ]
 
-PROTOCOL_VERSION = 1
-"""The wire format version (every frame's first item), equal to the supervisor's
-``loom_supervisor.PROTOCOL_VERSION``; also what HELLO states unless told otherwise."""
+WIRE_VERSION = 1
+"""The frame format version (every frame's first item), equal to the supervisor's
+``loom_supervisor.WIRE_VERSION``. It is also the default ``messages_version`` of a HELLO
+and of a plan, but versions nothing about the messages themselves."""
 
 ENV_SOCKET = "LOOM_SUPERVISOR_SOCKET"
 ENV_ROLE = "LOOM_ROLE"
@@ -88,13 +95,92 @@ def address(role: str, rank: int = 0) -> str:
 
 def encode(src: str, dst: str, kind: str, body: bytes = b"") -> bytes:
     """One frame, length prefix included."""
-    payload: bytes = msgpack.packb([PROTOCOL_VERSION, src, dst, kind, bytes(body)], use_bin_type=True)
+    payload: bytes = msgpack.packb([WIRE_VERSION, src, dst, kind, bytes(body)], use_bin_type=True)
     return _PREFIX.pack(len(payload)) + payload
 
 
 def decode_body(frame: Frame) -> Any:
-    """The body of a supervisor message (HELLO, PEER_DIED) as Python objects."""
+    """The msgpack body of a frame (a HELLO, say) as plain Python objects; for PEER_DIED
+    use ``PeerDied.from_frame``, which also checks its shape."""
     return msgpack.unpackb(frame.body, raw=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerDied:
+    """The body of PEER_DIED: the supervisor tells the lead process that another one
+    failed, before it stops them all.
+
+    ``exit_code`` is set when the process exited, ``signal`` (a name: ``"SIGKILL"``)
+    when a signal killed it; both are None when the supervisor stopped it (a missed
+    start-up deadline, a HELLO that did not match). ``phase`` is where it was: ``spawned``,
+    ``hello``, ``config``, ``ready`` or ``running``. ``reason`` is the supervisor's one
+    line (``"worker:1 exited with code 1"``); ``stderr_tail`` its last stderr lines.
+    """
+
+    role: str
+    rank: int
+    pid: int
+    exit_code: int | None
+    signal: str | None
+    phase: str
+    reason: str
+    stderr_tail: tuple[str, ...]
+
+    # Field name -> accepted types, in the order of the body (see supervisor-rs/src/report.rs).
+    _FIELDS: ClassVar[dict[str, tuple[type, ...]]] = {
+        "role": (str,), "rank": (int,), "pid": (int,), "exit_code": (int, NoneType), "signal": (str, NoneType),
+        "phase": (str,), "reason": (str,), "stderr_tail": (list, tuple),
+    }
+
+    @classmethod
+    def from_frame(cls, frame: Frame) -> PeerDied:
+        """Decodes a PEER_DIED frame; ``ProtocolError`` (naming the field) when its body
+        is not the map the supervisor sends. Keys this client does not know are ignored."""
+        if frame.kind != PEER_DIED:
+            raise ProtocolError(f"expected a {PEER_DIED} frame, got {frame.kind} from {frame.src}")
+        try:
+            body = msgpack.unpackb(frame.body, raw=False)
+        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+            raise ProtocolError(f"{PEER_DIED} body is not msgpack: {e}") from e
+        if not isinstance(body, dict):
+            raise ProtocolError(f"{PEER_DIED} body is a {type(body).__name__}; expected a map")
+        values: dict[str, Any] = {}
+        for name, types in cls._FIELDS.items():
+            if name not in body:
+                raise ProtocolError(f"{PEER_DIED} body has no {name!r}")
+            value = body[name]
+            # bool is an int subclass, but never a rank, pid or exit code.
+            if not isinstance(value, types) or isinstance(value, bool):
+                expected = " or ".join("None" if t is NoneType else t.__name__ for t in types)
+                raise ProtocolError(f"{PEER_DIED} body field {name!r} is {value!r}; expected {expected}")
+            values[name] = value
+        tail = values["stderr_tail"]
+        if not all(isinstance(line, str) for line in tail):
+            raise ProtocolError(f"{PEER_DIED} body field 'stderr_tail' holds a non-string: {tail!r}")
+        values["stderr_tail"] = tuple(tail)
+        return cls(**values)
+
+    def describe(self) -> str:
+        """One line: which process, how it ended, in which phase, why. For example
+        ``worker:1 (pid 123) died with signal SIGKILL during running: worker:1 was killed
+        by SIGKILL``; a process the supervisor stopped (no exit code, no signal) "was
+        stopped" instead."""
+        who = self.address
+        if self.signal:
+            how = f"died with signal {self.signal}"
+        elif self.exit_code is not None:
+            how = f"died with exit code {self.exit_code}"
+        else:
+            how = "was stopped"
+        tail = [line for line in self.stderr_tail if line.strip()]
+        cause = self.reason or (tail[-1].strip() if tail else "")
+        text = f"{who} (pid {self.pid}) {how} during {self.phase}"
+        return text + (f": {cause}" if cause else "")
+
+    @property
+    def address(self) -> str:
+        """The dead process's address (``worker:1``, ``engine_core``)."""
+        return f"{self.role}:{self.rank}" if self.role == "worker" else self.role
 
 
 class Decoder:
@@ -169,13 +255,14 @@ class Client:
                 self._ready.extend(self._decoder.feed(chunk))
             return self._ready.popleft()
 
-    def hello(self, role: str | None = None, rank: int | None = None, protocol_version: int | None = None) -> bytes:
+    def hello(self, role: str | None = None, rank: int | None = None, messages_version: int | None = None) -> bytes:
         """Registers this process (HELLO) and returns the body of the CONFIG reply.
 
         ``role``/``rank`` default to the ones given at ``connect``; they must be what the
-        supervisor spawned this process as. ``protocol_version`` (default the wire
-        version) must equal the plan's ``protocol_version``: the version of the messages
-        the children exchange. A mismatch in any of these stops the serve."""
+        supervisor spawned this process as. ``messages_version`` (default
+        ``WIRE_VERSION``, as is the plan's) must equal the plan's ``messages_version``:
+        the version of the message schema the children exchange. A mismatch in any of
+        these stops the serve."""
         if role is not None or rank is not None:
             self.role = role if role is not None else self.role
             self.rank = rank if rank is not None else self.rank
@@ -185,7 +272,7 @@ class Client:
                 "role": self.role,
                 "rank": self.rank,
                 "pid": os.getpid(),
-                "protocol_version": PROTOCOL_VERSION if protocol_version is None else protocol_version,
+                "messages_version": WIRE_VERSION if messages_version is None else messages_version,
             },
             use_bin_type=True,
         )

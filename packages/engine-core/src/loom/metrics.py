@@ -2,11 +2,11 @@
 
 Two consumers, two shapes:
 
-* **Stat loggers** see :class:`~loom.engine.llm_engine.EngineStats` after every engine
+* **Stat loggers** see :class:`~loom.stats.EngineStats` after every engine
   step. Built-ins and ``loom.stat_logger_plugins`` entry points are factories
   ``(config: LoomConfig) -> logger``; the logger has ``record(stats)`` and may have
   ``log()`` (called every ``log_stats_interval`` seconds while the engine is busy). The
-  engine client (``InprocAsyncLLM`` or the front end's client of the engine-core process)
+  engine client (``loom.engine.client.EngineClient``)
   builds them once, with :func:`load_stat_loggers`.
 * **ServerMetrics** is the front end's Prometheus registry: per-request counters and
   latency histograms that the OpenAI handlers observe, and gauges read from the engine's
@@ -20,13 +20,21 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from loom_plugin_api import STAT_LOGGER_PLUGINS_GROUP, PluginError, load_plugins_by_group, plugin_records
+from loom_plugin_api import STAT_LOGGER_PLUGINS_GROUP, PluginError, load_plugins_strict
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from .logger import init_logger
 
 if TYPE_CHECKING:
     from .config import LoomConfig
-    from .engine.llm_engine import EngineStats
+    from .stats import EngineStats
 
 logger = init_logger(__name__)
 
@@ -82,14 +90,7 @@ def load_stat_loggers(config: LoomConfig, *, builtin: bool = True) -> list[Any]:
     factories: dict[str, Callable[..., Any]] = {}
     if builtin:
         factories["logging (built-in)"] = LoggingStatLogger
-    plugins = load_plugins_by_group(STAT_LOGGER_PLUGINS_GROUP)
-    failed = [r for r in plugin_records(STAT_LOGGER_PLUGINS_GROUP) if r.status == "failed"]
-    if failed:
-        r = failed[0]
-        raise PluginError(
-            f"stat-logger plugin {r.name!r} ({r.value}, from {r.distribution}) failed to load: {r.error}. "
-            "Fix or uninstall it, or leave it out with LOOM_PLUGINS."
-        )
+    plugins = load_plugins_strict(STAT_LOGGER_PLUGINS_GROUP, kind="stat-logger")
     factories.update(plugins)
     loggers = []
     for name, factory in factories.items():
@@ -133,8 +134,6 @@ class ServerMetrics:
     """
 
     def __init__(self, model_name: str) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         reg = {"registry": self.registry}
@@ -194,6 +193,4 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

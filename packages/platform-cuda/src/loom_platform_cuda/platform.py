@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from loom_plugin_api import CustomOp, LoomConfigView, Platform, PlatformEnum
+from loom_plugin_api import LoomConfigView, Platform, PlatformEnum
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +48,7 @@ class CudaPlatform(Platform):
 
     @classmethod
     def update_block_size_for_backend(cls, config: LoomConfigView) -> None:
-        from .attention import TritonAttentionBackend
+        from .attention import TritonAttentionBackend  # lazy: triton and torch; only workers call this
 
         cache = config.cache_config
         supported = TritonAttentionBackend.get_supported_block_sizes()
@@ -61,9 +62,11 @@ class CudaPlatform(Platform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         """Install the Triton kernels behind loom's ``forward_cuda`` (RMSNorm, RoPE, SiLU)."""
-        import shutil
+        # lazy: CustomOp is a torch.nn.Module and the kernels import triton; every process of a serve
+        # loads this class, only the workers register kernels
+        from loom_plugin_api import CustomOp
 
-        from . import kernels
+        from . import kernels  # lazy: triton and torch, as above
 
         # Triton builds a small C launcher the first time a kernel runs: fail now, with the reason.
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -90,20 +93,20 @@ class CudaPlatform(Platform):
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
-        import torch
+        import torch  # lazy: torch stays out of the front end and engine core, which load this class too
 
         return int(torch.cuda.get_device_properties(device_id).total_memory)
 
     @classmethod
     def get_device_available_memory(cls, device_id: int = 0) -> int:
-        import torch
+        import torch  # lazy: torch stays out of the front end and engine core, which load this class too
 
         free, _ = torch.cuda.mem_get_info(device_id)
         return int(free)
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:
-        import torch
+        import torch  # lazy: torch stays out of the front end and engine core, which load this class too
 
         torch.cuda.set_device(device)
 
@@ -111,6 +114,6 @@ class CudaPlatform(Platform):
     def seed_everything(cls, seed: int | None) -> None:
         super().seed_everything(seed)
         if seed is not None:
-            import torch
+            import torch  # lazy: torch stays out of the front end and engine core, which load this class too
 
             torch.cuda.manual_seed_all(seed)

@@ -49,6 +49,7 @@ class DummyPlatform(HostPlatform):
 
     @classmethod
     def update_block_size_for_backend(cls, config: LoomConfigView) -> None:
+        # lazy: the backend imports torch; every process loads the platform class, only workers call this
         from .dummy_attention_backend import DummyAttentionBackend
 
         supported = DummyAttentionBackend.get_supported_block_sizes()

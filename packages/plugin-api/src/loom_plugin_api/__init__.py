@@ -7,6 +7,7 @@ process, how often, and what it may change.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._groups import (
@@ -36,7 +37,7 @@ from .context import (
 )
 from .errors import CustomOpError, ModelRegistryError, PlatformError, PluginError
 from .host_platform import HostPlatform
-from .loader import load_general_plugins, load_plugins_by_group, plugin_records
+from .loader import load_general_plugins, load_plugins_by_group, load_plugins_strict, plugin_records
 from .model_registry import ModelInfo, ModelRegistry
 from .platform import Platform, PlatformEnum
 from .sampling_params import SamplingParams
@@ -66,8 +67,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'loom_plugin_api' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
@@ -121,6 +120,7 @@ __all__ = [
     "installed_contract_version",
     "load_general_plugins",
     "load_plugins_by_group",
+    "load_plugins_strict",
     "plugin_records",
     "resolve_obj_by_qualname",
     "set_current_config",

@@ -50,19 +50,20 @@ class TorchDistributedCommunicator(DeviceCommunicatorBase):
     """The collectives through ``torch.distributed``, on the group's own backend."""
 
     def __init__(self, group: Any = None, device: torch.device | None = None) -> None:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch stays out of the processes that never compute
 
         super().__init__(group, device)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch stays out of the processes that never compute
 
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        # lazy: torch stays out of the processes that never compute
         import torch
         import torch.distributed as dist
 
@@ -72,7 +73,7 @@ class TorchDistributedCommunicator(DeviceCommunicatorBase):
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch stays out of the processes that never compute
 
         # ``src`` is a rank of the group; torch.distributed wants the global rank.
         dist.broadcast(x, src=dist.get_global_rank(self.group, src) if self.group is not None else src,

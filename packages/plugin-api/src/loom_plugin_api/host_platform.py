@@ -47,6 +47,6 @@ class HostPlatform(Platform):
         # LOOM_CPU_NUM_THREADS); torch would take all of them otherwise.
         threads = os.environ.get("LOOM_CPU_NUM_THREADS")
         if threads:
-            import torch
+            import torch  # lazy: the platform class loads in processes that never compute
 
             torch.set_num_threads(int(threads))

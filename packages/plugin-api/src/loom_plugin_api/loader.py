@@ -5,6 +5,7 @@ everything here is once-per-process and idempotent:
 
 * the entry-point scan runs once per process and is cached;
 * ``load_plugins_by_group`` imports a group's entry points once and caches the result;
+  ``load_plugins_strict`` is the same for callers that cannot go on without every plugin;
 * ``load_general_plugins`` calls the general plugins once per process.
 
 ``LOOM_PLUGINS`` (comma-separated entry-point names, spaces stripped) limits what loads:
@@ -15,8 +16,8 @@ without the engine it is read from ``os.environ``.
 Before a plugin is imported, its distribution's requirement on ``loom-plugin-api``
 (``Requires-Dist``) is checked against the installed contract: a plugin whose range excludes
 it is refused like a plugin that fails to import (status ``"failed"``, logged at ERROR, and a
-:class:`PluginError` for general plugins); a distribution that declares no range is loaded
-with a warning.
+:class:`PluginError` from :func:`load_plugins_strict`); a distribution that declares no range
+is loaded with a warning.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "general_plugins_loaded",
     "load_general_plugins",
     "load_plugins_by_group",
+    "load_plugins_strict",
     "plugin_records",
     "set_loom_plugins_reader",
 ]
@@ -132,7 +134,7 @@ def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
     return the cached dict. A plugin whose import fails is logged at ERROR with the
     group, the entry point and the exception, kept in :func:`plugin_records` with status
     ``"failed"``, and left out of the result; callers that cannot go on without every
-    plugin check the records (``load_general_plugins`` raises).
+    plugin use :func:`load_plugins_strict` instead.
     """
     if group in _loaded_groups:
         return _loaded_groups[group]
@@ -185,6 +187,27 @@ def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
             ", ".join(f"{name} ({_records[(group, name)].load_seconds:.3f} s)" for name in plugins),
         )
     _loaded_groups[group] = plugins
+    return plugins
+
+
+def load_plugins_strict(group: str, *, kind: str) -> dict[str, Callable[..., Any]]:
+    """:func:`load_plugins_by_group`, raising when a plugin of ``group`` failed to load.
+
+    For callers that cannot go on without every plugin of their group: the engine's
+    general plugins, stat loggers and endpoints. A plugin that failed to import, is not
+    callable or was refused for its contract range stops the caller with a
+    :class:`PluginError` naming the first such plugin, its entry point and distribution,
+    and what to do; ``kind`` is the word the message calls the plugin by (``"general"``,
+    ``"stat-logger"``, ``"endpoint"``). Idempotent: the group is imported once per process
+    (the cache of :func:`load_plugins_by_group`), and every later call raises the same error.
+    """
+    plugins = load_plugins_by_group(group)
+    failed = next((r for r in plugin_records(group) if r.status == "failed"), None)
+    if failed is not None:
+        raise PluginError(
+            f"{kind} plugin {failed.name!r} ({failed.value}, from {failed.distribution}) failed to load: "
+            f"{failed.error}. Fix or uninstall it, or leave it out with LOOM_PLUGINS."
+        )
     return plugins
 
 
@@ -248,14 +271,7 @@ def load_general_plugins() -> None:
 
 
 def _run_general_plugins() -> None:
-    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
-    failed = [r for r in plugin_records(GENERAL_PLUGINS_GROUP) if r.status == "failed"]
-    if failed:
-        r = failed[0]
-        raise PluginError(
-            f"general plugin {r.name!r} ({r.value}, from {r.distribution}) failed to load: "
-            f"{r.error}. Fix or uninstall it, or leave it out with LOOM_PLUGINS."
-        )
+    plugins = load_plugins_strict(GENERAL_PLUGINS_GROUP, kind="general")
     for name, func in plugins.items():
         record = _records[(GENERAL_PLUGINS_GROUP, name)]
         start = time.perf_counter()

@@ -48,7 +48,7 @@ class ModelInfo:
 
     @classmethod
     def from_model_cls(cls, architecture: str, model_cls: type[nn.Module]) -> ModelInfo:
-        import torch.nn as nn
+        import torch.nn as nn  # lazy: the registry loads in processes without torch (lazy models: a subprocess)
 
         if not (isinstance(model_cls, type) and issubclass(model_cls, nn.Module)):
             raise ModelRegistryError(

@@ -169,12 +169,12 @@ class Platform:
         """Seed every random generator this platform's computation uses."""
         if seed is None:
             return
-        import torch
+        import torch  # lazy: the platform class loads in processes that never compute; only workers seed
 
         random.seed(seed)
         torch.manual_seed(seed)
         try:
-            import numpy as np
+            import numpy as np  # lazy: optional dependency (the contract does not require numpy)
 
             np.random.seed(seed)
         except ImportError:  # numpy is optional for the contract

@@ -149,7 +149,7 @@ class WorkerBase(ABC):
     def shutdown(self) -> None:
         """Release the device and leave the tensor-parallel group; called once when the engine
         stops. The default leaves the ``torch.distributed`` group if this process joined one."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: this module loads in processes that never compute
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

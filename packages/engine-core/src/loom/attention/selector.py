@@ -7,7 +7,7 @@ import functools
 import torch
 from loom_plugin_api import AttentionBackend, AttentionSelectorConfig, resolve_obj_by_qualname
 
-from .. import envs
+from .. import envs, platforms
 from ..logger import init_logger
 
 logger = init_logger(__name__)
@@ -33,8 +33,7 @@ def _cached_get_attn_backend(
     attn_selector_config: AttentionSelectorConfig,
     num_heads: int | None,
 ) -> type[AttentionBackend]:
-    from ..platforms import current_platform
-
+    current_platform = platforms.current_platform
     qualname = current_platform.get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
     if not qualname:
         raise ValueError(f"platform {current_platform.device_name} returned no attention backend")

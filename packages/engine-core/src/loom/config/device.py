@@ -19,6 +19,6 @@ class DeviceConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        import torch
+        import torch  # lazy: torch stays out of the CLI, front end and engine core; only workers compute
 
         return torch.device(self.device_type)

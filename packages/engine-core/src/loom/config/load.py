@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model_loader import load_format_choices
+
 
 @dataclass(slots=True, kw_only=True)
 class LoadConfig:
@@ -10,8 +12,6 @@ class LoadConfig:
     format a general plugin registered (``loom.model_loader.register_weight_loader``)."""
 
     def __post_init__(self) -> None:
-        from ..model_loader import load_format_choices
-
         if self.load_format not in load_format_choices():
             raise ValueError(
                 f"--load-format must be one of {', '.join(load_format_choices())}, got {self.load_format!r}"

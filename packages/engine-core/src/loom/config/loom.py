@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import platforms
 from ..logger import init_logger
 from .cache import CacheConfig
 from .compilation import CompilationConfig
@@ -27,8 +28,7 @@ class LoomConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
 
     def __post_init__(self) -> None:
-        from ..platforms import current_platform, validate_platform_names
-
+        current_platform = platforms.current_platform
         current_platform.apply_config_platform_defaults(self)
         custom_ops = self.compilation_config.custom_ops
         if all(base not in custom_ops for base in ("all", "none")):
@@ -47,7 +47,7 @@ class LoomConfig:
             )
         # worker_cls, the attention backend and the communicator import and subclass the
         # contract's bases: a wrong name stops here, in this process, before anything is spawned.
-        validate_platform_names(self, worker_cls_chosen_by_user=worker_cls_chosen_by_user)
+        platforms.validate_platform_names(self, worker_cls_chosen_by_user=worker_cls_chosen_by_user)
         self._verify_tensor_parallel()
         max_len = self.model_config.max_model_len
         sched = self.scheduler_config
@@ -61,8 +61,7 @@ class LoomConfig:
     def _verify_tensor_parallel(self) -> None:
         """Catch a tensor-parallel size the model cannot be split by, before anything starts."""
         tp = self.parallel_config.tensor_parallel_size
-        from ..platforms import current_platform
-
+        current_platform = platforms.current_platform
         if tp > 1 and not current_platform.supports_tensor_parallel:
             raise ValueError(f"the {current_platform.device_name} platform does not support tensor parallelism "
                              f"(--tensor-parallel-size {tp}); use 1")

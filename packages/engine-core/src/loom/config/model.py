@@ -5,8 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from loom_plugin_api import ModelInfo, ModelRegistry, ModelRegistryError
-from loom_plugin_api.loader import plugin_records
+from loom_plugin_api import (
+    GENERAL_PLUGINS_GROUP,
+    ModelInfo,
+    ModelRegistry,
+    ModelRegistryError,
+    plugin_records,
+)
 
 from ..logger import init_logger
 from ..transformers_utils.config import get_hf_config, resolve_model_path
@@ -62,7 +67,7 @@ class ModelConfig:
         try:
             self.model_info, self.architecture = ModelRegistry.inspect_model_cls(architectures, self)
         except ModelRegistryError as e:
-            loaded = [r.name for r in plugin_records("loom.general_plugins") if r.status == "loaded"]
+            loaded = [r.name for r in plugin_records(GENERAL_PLUGINS_GROUP) if r.status == "loaded"]
             raise ValueError(
                 f"{e}. General plugins loaded: {', '.join(loaded) or '(none)'}. Install the plugin "
                 "that provides the architecture, or rename it with --hf-overrides."
@@ -82,7 +87,7 @@ class ModelConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """``dtype`` as a ``torch.dtype`` (imports torch; for the processes that compute)."""
-        import torch
+        import torch  # here, not at the top: the processes that never compute read the config too
 
         return getattr(torch, str(self.dtype))
 

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from loom_plugin_api import resolve_obj_by_qualname
 
+from .. import platforms
+
 __all__ = [
     "TensorParallelGroup",
     "destroy_model_parallel",
@@ -50,8 +52,6 @@ def init_distributed_environment(
     (a worker's ``init_device`` calls it; nothing happens for a single rank)."""
     if world_size == 1:
         return
-    import torch.distributed as dist
-
     kwargs = {"device_id": device} if device is not None else {}
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
     initialize_model_parallel(world_size)
@@ -92,9 +92,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, communicator_
             if rank in ranks:
                 group = g
     if communicator_cls is None:
-        from ..platforms import current_platform
-
-        communicator_cls = current_platform.get_device_communicator_cls()
+        communicator_cls = platforms.current_platform.get_device_communicator_cls()
     communicator = resolve_obj_by_qualname(communicator_cls)(group)
     _TP = TensorParallelGroup(world_size=tp, rank=dist.get_rank(group), group=group, communicator=communicator)
 

@@ -1,16 +1,22 @@
-"""EngineArgs: the user-facing engine options, their CLI flags, and config creation."""
+"""EngineArgs: the user-facing engine options, their CLI flags, and config creation.
+
+Each option is declared once, as a field of :class:`EngineArgs`: its default, and for a field
+made with :func:`_flag` the flag's type, choices and help. :meth:`EngineArgs.add_cli_args`
+builds the parser from the fields, so a flag's default cannot drift from the field's.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from loom_plugin_api import load_general_plugins
 
-from .. import envs
+from .. import envs, platforms
 from ..config import (
     CacheConfig,
     CompilationConfig,
@@ -22,8 +28,12 @@ from ..config import (
     SchedulerConfig,
 )
 from ..logger import init_logger
+from ..model_loader import load_format_choices
 
 logger = init_logger(__name__)
+
+_CLI = "cli"
+"""Metadata key of a field that has a flag: what :func:`_flag` was given besides the default."""
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -40,67 +50,73 @@ def _custom_ops(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
+def _flag(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+          flag: str | None = None, aliases: tuple[str, ...] = (),
+          choices: list[str] | Callable[[], list[str]] | None = None, **options: Any) -> Any:
+    """A field of :class:`EngineArgs` with a command-line flag; the field's default is the flag's.
+
+    ``flag`` defaults to ``--field-name``; ``aliases`` are further option strings (``-tp``);
+    ``choices`` may be a callable, called each time a parser is built (after the general
+    plugins ran, so that they can add choices); ``options`` (``help``, ``type``, ``action``)
+    go to ``add_argument`` as they are.
+    """
+    cli = {"flag": flag, "aliases": aliases, **options}
+    if choices is not None:  # store_true and store_false actions take no choices
+        cli["choices"] = choices
+    return field(default=default, default_factory=default_factory, metadata={_CLI: cli})
+
+
 @dataclass(kw_only=True)
 class EngineArgs:
-    model: str | None = None
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
-    seed: int | None = 0
-    tensor_parallel_size: int = 1
-    block_size: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    custom_ops: list[str] = field(default_factory=list)
-    load_format: str = "auto"
-    worker_cls: str = "auto"
-    fail_on_environ_validation: bool = False
+    model: str | None = None  # positional: the command adds it, add_cli_args does not
+    tokenizer: str | None = _flag(None, help="tokenizer directory (default: the model's)")
+    served_model_name: str | None = _flag(None)
+    dtype: str = _flag("auto", choices=["auto", "float32", "bfloat16", "float16"])
+    max_model_len: int | None = _flag(None, type=int)
+    hf_overrides: dict[str, Any] = _flag(
+        default_factory=dict, type=_json_object,
+        help='JSON object set on the HF config, e.g. \'{"architectures": ["MyLlama"]}\'')
+    seed: int | None = _flag(0, type=int)
+    tensor_parallel_size: int = _flag(1, aliases=("-tp",), type=int)
+    block_size: int | None = _flag(None, type=int)
+    enable_prefix_caching: bool = _flag(True, flag="--no-enable-prefix-caching", action="store_false")
+    kv_cache_memory_bytes: int | None = _flag(None, type=int)
+    gpu_memory_utilization: float = _flag(
+        0.9, type=float, help="share of GPU memory the model and its KV cache may use (GPU platforms)")
+    enforce_eager: bool = _flag(
+        False, action="store_true", help="do not record decode steps as CUDA graphs (GPU platforms)")
+    max_num_seqs: int = _flag(256, type=int)
+    max_num_batched_tokens: int | None = _flag(None, type=int)
+    enable_chunked_prefill: bool = _flag(True, flag="--no-enable-chunked-prefill", action="store_false")
+    custom_ops: list[str] = _flag(
+        default_factory=list, type=_custom_ops, help="comma-separated: all, none, +name, -name")
+    load_format: str = _flag(
+        "auto", choices=load_format_choices, help="how to load weights; general plugins may add formats")
+    worker_cls: str = _flag("auto", help="qualified name of the worker class")
+    fail_on_environ_validation: bool = False  # no flag: set as a keyword of EngineArgs(...) or LLM(...)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add the engine flags to ``parser``.
+        """Add the engine flags to ``parser``, one per field made with :func:`_flag`, in field order.
 
         The general plugins run first (once per process) so a plugin can extend what the
         flags accept; then the platform sees the parser (``pre_register_and_update``).
         """
-        from ..model_loader import load_format_choices
-
-        # Importing current_platform resolves it: the platform is fixed before any general plugin runs.
-        from ..platforms import current_platform
-
+        platform = platforms.current_platform  # resolved first: fixed before any general plugin runs
         load_general_plugins()
         g = parser.add_argument_group("engine")
-        g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-        g.add_argument("--served-model-name", default=None)
-        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--hf-overrides", type=_json_object, default={},
-                       help='JSON object set on the HF config, e.g. \'{"architectures": ["MyLlama"]}\'')
-        g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-        g.add_argument("--block-size", type=int, default=None)
-        g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-        g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="share of GPU memory the model and its KV cache may use (GPU platforms)")
-        g.add_argument("--enforce-eager", action="store_true",
-                       help="do not record decode steps as CUDA graphs (GPU platforms)")
-        g.add_argument("--max-num-seqs", type=int, default=256)
-        g.add_argument("--max-num-batched-tokens", type=int, default=None)
-        g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-        g.add_argument("--custom-ops", type=_custom_ops, default=[],
-                       help="comma-separated: all, none, +name, -name")
-        g.add_argument("--load-format", default="auto", choices=load_format_choices(),
-                       help="how to load weights; general plugins may add formats")
-        g.add_argument("--worker-cls", default="auto", help="qualified name of the worker class")
-        current_platform.pre_register_and_update(parser)
+        for f in dataclasses.fields(EngineArgs):
+            cli = f.metadata.get(_CLI)
+            if cli is None:
+                continue  # model (positional, added by the command) and fail_on_environ_validation
+            options = dict(cli)
+            flag = options.pop("flag") or "--" + f.name.replace("_", "-")
+            aliases = options.pop("aliases")
+            if callable(options.get("choices")):
+                options["choices"] = options["choices"]()  # now: the general plugins may have added some
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            g.add_argument(flag, *aliases, dest=f.name, default=default, **options)
+        platform.pre_register_and_update(parser)
         return parser
 
     @classmethod
@@ -110,8 +126,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> LoomConfig:
         """Build the ``LoomConfig`` (start-up stops 5-7), in the process that parsed the args."""
-        from ..platforms import current_platform  # resolved before the general plugins run
-
+        current_platform = platforms.current_platform  # resolved before the general plugins run
         load_general_plugins()
         current_platform.pre_register_and_update()
         device_config = DeviceConfig(device=current_platform.device_type)

@@ -1,81 +1,69 @@
-"""The engine-core process of ``loom serve``: scheduler, KV-cache manager, the step loop.
+"""The engine-core process of ``loom serve``: scheduler, KV-cache manager, the engine loop.
 
 Start-up (stop 9): platform and general plugins again (a fresh interpreter), connect to
 the supervisor, take the config, build the executor (it waits for every worker to load
-and sizes the KV cache from the smallest offer), freeze the environment, READY. Then:
-take requests from the front end, step while there is work, send each step's deltas.
+and sizes the KV cache from the smallest offer), freeze the environment, READY. Then the
+engine loop (:class:`~loom.engine.core.EngineCore`) runs on the front end's ADD_REQUEST and
+ABORT frames and sends each report back as one OUTPUTS frame.
 """
 
 from __future__ import annotations
 
 import sys
-import time
+from collections.abc import Sequence
 
 from loom_plugin_api import load_general_plugins
 
+from .. import envs
+from ..ipc.channel import Channel, Message
+from ..ipc.messages import AbortRequests, AddRequest, EngineReady
 from ..logger import init_logger
+from ..platforms import current_platform  # noqa: F401 - importing it resolves the platform, before any plugin
+from ..transformers_utils.tokenizer import get_tokenizer
+from .core import Command, EngineCore
+from .llm_engine import LLMEngine
+from .multiproc_executor import MultiprocExecutor
 
 logger = init_logger("loom.engine_core")
 
-_STATS_INTERVAL_S = 0.5
+
+class ChannelInbox:
+    """The engine loop's commands from the front end's frames (and any the executor kept aside)."""
+
+    def __init__(self, channel: Channel, executor: MultiprocExecutor) -> None:
+        self.channel = channel
+        self.executor = executor
+
+    def get(self, block: bool) -> Sequence[Command]:
+        messages = list(self.executor.pending)
+        self.executor.pending.clear()
+        msg = self.channel.recv(timeout=None if block and not messages else 0)
+        while msg is not None:
+            messages.append(msg)
+            msg = self.channel.recv(timeout=0)
+        return [cmd for cmd in map(self._command, messages) if cmd is not None]
+
+    @staticmethod
+    def _command(msg: Message) -> Command | None:
+        if isinstance(msg.body, (AddRequest, AbortRequests)):
+            return msg.body
+        logger.warning("Engine core ignored a %s frame from %s", msg.kind.value, msg.src)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..platforms import current_platform  # noqa: F401 - resolved first, in every process
-
     load_general_plugins()
-    from .. import envs
-    from ..ipc import messages as m
-    from ..ipc.channel import Channel
-    from ..transformers_utils.tokenizer import get_tokenizer
-    from .llm_engine import EngineStepError, LLMEngine
-    from .multiproc_executor import MultiprocExecutor
-
-    channel = Channel("engine_core")
+    channel = Channel.connect("engine_core")
     config = channel.config()
     tokenizer = get_tokenizer(config.model_config)
     executor = MultiprocExecutor(config, channel)
-    engine = LLMEngine(config, executor, tokenizer)
+    core = EngineCore(LLMEngine(config, executor, tokenizer))
     envs.enable_envs_cache()
-    channel.send("frontend", m.ENGINE_READY, m.EngineReady(num_blocks=executor.num_blocks,
-                                                           block_size=config.cache_config.block_size))
+    channel.send("frontend", EngineReady(num_blocks=executor.num_blocks, block_size=config.cache_config.block_size))
     channel.ready()
     logger.info("Engine core is ready")
-    last_stats = 0.0
-    while True:
-        # Block for work when idle; otherwise take what has arrived and step.
-        busy = engine.has_unfinished_requests()
-        messages = list(executor.pending)
-        executor.pending.clear()
-        msg = channel.recv(timeout=0 if (busy or messages) else None)
-        while msg is not None:
-            messages.append(msg)
-            msg = channel.recv(timeout=0)
-        errors: list[m.RequestError] = []
-        for msg in messages:
-            if msg.kind == m.ADD_REQUEST:
-                req = msg.body
-                try:
-                    engine.add_request(req.request_id, req.prompt, req.prompt_token_ids, req.sampling_params,
-                                       stream=req.stream)
-                except ValueError as e:
-                    errors.append(m.RequestError(request_id=req.request_id, message=str(e), status=400))
-            elif msg.kind == m.ABORT:
-                engine.abort_request(msg.body.request_ids)
-        outputs = []
-        if engine.has_unfinished_requests():
-            try:
-                outputs = engine.step()
-            except EngineStepError as e:
-                failed = e.request_ids
-                errors.extend(m.RequestError(request_id=i, message=str(e), status=500) for i in failed)
-        now = time.monotonic()
-        stats = None
-        if now - last_stats > _STATS_INTERVAL_S or not engine.has_unfinished_requests():
-            stats = engine.get_stats()
-            last_stats = now
-        if outputs or errors or (stats is not None and messages):
-            channel.send("frontend", m.OUTPUTS, m.EngineOutputs(outputs=outputs, errors=errors, stats=stats))
+    core.run(ChannelInbox(channel, executor), lambda out: channel.send("frontend", out))
+    return 0
 
 
 if __name__ == "__main__":

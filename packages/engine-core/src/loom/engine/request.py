@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 
+from loom_plugin_api.step import PromptLogprobs, SampledLogprobs
+
 from ..sampling_params import SamplingParams
-from .scheduler_output import PromptLogprobs, SampledLogprobs
 
 
 class RequestStatus(enum.IntEnum):

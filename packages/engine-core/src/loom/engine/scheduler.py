@@ -14,11 +14,12 @@ import bisect
 from collections import deque
 from collections.abc import Iterable
 
+from loom_plugin_api.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
+
 from ..config import CacheConfig, SchedulerConfig
 from ..logger import init_logger
 from .block_manager import BlockManager
 from .request import Request, RequestStatus
-from .scheduler_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 logger = init_logger(__name__)
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import codecs
 from pathlib import Path
 
+import jinja2
+
+from ..transformers_utils.fast_tokenizer import compile_chat_template
+
 _JINJA_CHARS = "{}\n"
 
 
@@ -39,10 +43,6 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def _check_syntax(text: str, source: str) -> None:
-    import jinja2
-
-    from ..transformers_utils.fast_tokenizer import compile_chat_template
-
     try:
         compile_chat_template(text)  # the environment the front end renders it in
     except jinja2.TemplateSyntaxError as e:  # unknown filters and tests too (TemplateAssertionError)

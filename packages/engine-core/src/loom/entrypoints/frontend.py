@@ -5,50 +5,45 @@ supervisor, take the config, load the tokenizer, build the app (endpoint plugins
 READY goes to the supervisor once the socket listens *and* the engine core said it is
 ready; ``/health`` answers 503 until then. SHUTDOWN from the supervisor drains: no new
 connections, in-flight requests finish within the grace period, then the process exits 0.
+Its flags are the server's (``ServerConfig``), as the launch plan wrote them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import threading
+from typing import Any
 
 from loom_plugin_api import load_general_plugins
 
+from .. import envs
+from ..config import LoomConfig
+from ..config.server import ServerConfig
+from ..engine.client import EngineClient
+from ..engine.core_client import ProcCoreConnection
+from ..ipc.channel import Channel
 from ..logger import init_logger
+from ..platforms import current_platform  # noqa: F401 - importing it resolves the platform, before any plugin
+from ..transformers_utils.tokenizer import get_tokenizer
+from .openai import build_app, serve_http
 
 logger = init_logger("loom.frontend")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loom.entrypoints.frontend")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--grace-period", type=float, default=10.0)
-    parser.add_argument("--stream-interval", type=int, default=1)
-    parser.add_argument("--chat-template", default=None, help="the template text (loom serve read and checked it)")
-    args = parser.parse_args(argv)
-
-    from ..platforms import current_platform  # noqa: F401 - resolved first, in every process
-
+    parser = ServerConfig.add_cli_args(argparse.ArgumentParser(prog="python -m loom.entrypoints.frontend"))
+    server = ServerConfig.from_cli_args(parser.parse_args(argv))
     load_general_plugins()
-    from ..ipc.channel import Channel
-    from ..transformers_utils.tokenizer import get_tokenizer
-
-    channel = Channel("frontend")
+    channel = Channel.connect("frontend")
     config = channel.config()
     tokenizer = get_tokenizer(config.model_config)
-    asyncio.run(_serve(config, tokenizer, channel, args))
+    asyncio.run(_serve(config, tokenizer, channel, server))
     return 0
 
 
-async def _serve(config, tokenizer, channel, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
-    from .. import envs
-    from ..engine.core_client import CoreClient
-    from .openai import build_app, serve_http
-
+async def _serve(config: LoomConfig, tokenizer: Any, channel: Channel, server: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     shutdown_event = asyncio.Event()
     ready_parts: set[str] = set()
@@ -61,17 +56,17 @@ async def _serve(config, tokenizer, channel, args: argparse.Namespace) -> None: 
                 channel.ready()
                 logger.info("Front end is ready")
 
-    client = CoreClient(
-        config, tokenizer, channel,
+    client = EngineClient(
+        config, tokenizer, ProcCoreConnection(channel),
         on_engine_ready=lambda: part_ready("engine"),
         on_shutdown=lambda: loop.call_soon_threadsafe(shutdown_event.set),
     )
-    client.stream_interval = args.stream_interval
-    app = build_app(client, config.model_config.served_model_name, api_key=os.environ.get("LOOM_API_KEY"),
-                    chat_template=args.chat_template)
+    client.stream_interval = server.stream_interval
+    app = build_app(client, config.model_config.served_model_name, api_key=server.api_key,
+                    chat_template=server.chat_template)
     envs.enable_envs_cache()
-    await serve_http(app, args.host, args.port, ready_callback=lambda host, port: part_ready("http"),
-                     shutdown_event=shutdown_event, grace_period=args.grace_period)
+    await serve_http(app, server.host, server.port, ready_callback=lambda host, port: part_ready("http"),
+                     shutdown_event=shutdown_event, grace_period=server.grace_period)
     await client.shutdown()
 
 

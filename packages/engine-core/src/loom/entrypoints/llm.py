@@ -7,10 +7,20 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from loom_plugin_api import SamplingParams
+from tqdm import tqdm
+
+from .. import envs
 from ..engine.arg_utils import EngineArgs
+from ..engine.core import EngineCore
+from ..engine.errors import EngineStepError
+from ..engine.executor import Executor
+from ..engine.llm_engine import LLMEngine
+from ..engine.uniproc_executor import UniProcExecutor
+from ..ipc.messages import AbortRequests, AddRequest, RequestError
 from ..logger import init_logger
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..transformers_utils.tokenizer import get_tokenizer
 
 logger = init_logger(__name__)
 
@@ -20,28 +30,28 @@ PromptType = str | dict[str, Any]
 class LLM:
     """Generate text with a model. ``model=None`` uses the embedded default
     (SmolLM2-135M-Instruct); other keyword arguments are engine arguments
-    (``dtype``, ``max_model_len``, ``block_size``, ``seed``, ``hf_overrides``, ...)."""
+    (``dtype``, ``max_model_len``, ``block_size``, ``seed``, ``hf_overrides``, ...).
+
+    ``generate`` drives the same engine loop (``EngineCore.step``) as the engine-core
+    process of ``loom serve``, in the caller's thread, until its requests finish."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         valid = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
         unknown = sorted(set(kwargs) - valid)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; valid: {', '.join(sorted(valid))}")
-        from .. import envs
-        from ..engine.executor import UniProcExecutor
-        from ..engine.llm_engine import LLMEngine
-        from ..transformers_utils.tokenizer import get_tokenizer
-
         self.config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.tokenizer = get_tokenizer(self.config.model_config)
+        executor: Executor
         if self.config.parallel_config.tensor_parallel_size > 1:
             # One worker process per rank, under the same supervisor as `loom serve`.
-            from ..engine.supervised import SupervisedExecutor
+            from ..engine.supervised import SupervisedExecutor  # lazy: needs the optional loom_supervisor
 
-            executor: Any = SupervisedExecutor(self.config)
+            executor = SupervisedExecutor(self.config)
         else:
             executor = UniProcExecutor(self.config)
         self.llm_engine = LLMEngine(self.config, executor, self.tokenizer)
+        self.engine_core = EngineCore(self.llm_engine)
         self._ids = itertools.count()
         envs.enable_envs_cache()
         logger.info("LLM is ready: %s", self.config.model_config.served_model_name)
@@ -99,36 +109,45 @@ class LLM:
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
                 )
         requests = [self._to_request(p) for p in prompts]  # validate all before adding any
-        engine = self.llm_engine
-        ids: list[str] = []
-        try:
-            for (text, token_ids), params in zip(requests, params_list):
-                req_id = str(next(self._ids))
-                engine.add_request(req_id, text, token_ids, params)
-                ids.append(req_id)
-        except Exception:
-            engine.abort_request(ids)
-            raise
+        ids = [str(next(self._ids)) for _ in requests]
+        adds = [AddRequest(request_id=i, prompt=text, prompt_token_ids=token_ids, sampling_params=params, stream=False)
+                for i, (text, token_ids), params in zip(ids, requests, params_list)]
+        core = self.engine_core
+        errors = core.apply(adds)
+        if errors:
+            core.apply([AbortRequests(request_ids=ids)])  # all or nothing
+            self._raise(errors)
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm import tqdm
-
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
+            while self.llm_engine.has_unfinished_requests():
+                report = core.step()
+                if report is None:
+                    continue
+                if report.errors:
+                    self._raise(report.errors)
+                for out in report.outputs:
                     if out.finished:
                         finished[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            engine.abort_request([i for i in ids if i not in finished])  # leave the engine clean
+            core.apply([AbortRequests(request_ids=[i for i in ids if i not in finished])])  # leave the engine clean
             raise
         finally:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
+
+    @staticmethod
+    def _raise(errors: list[RequestError]) -> None:
+        """A request the engine refused (400) is a ValueError; a failed model step, EngineStepError."""
+        failed = [e for e in errors if e.status >= 500]
+        if not failed:
+            raise ValueError(errors[0].message)
+        raise EngineStepError(failed[0].message, sorted(e.request_id for e in failed))
 
     def chat(
         self,

@@ -1,7 +1,7 @@
 """A child's connection to the supervisor: typed messages over supervisor frames.
 
 Every child of a serve starts the same way: connect to the socket the supervisor named
-in ``LOOM_SUPERVISOR_SOCKET``, send HELLO (role, rank, pid, protocol version), receive
+in ``LOOM_SUPERVISOR_SOCKET``, send HELLO (role, rank, pid, ``MESSAGES_VERSION``), receive
 CONFIG (the pickled ``LoomConfig`` the CLI process built), and later send READY.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..logger import init_logger
 from .codec import encode
-from .messages import BODY_TYPES, PROTOCOL_VERSION, decode_body
+from .messages import MESSAGES_VERSION, Kind, Shutdown, decode_body, kind_of
 
 logger = init_logger(__name__)
 
@@ -22,8 +22,19 @@ logger = init_logger(__name__)
 @dataclass(slots=True)
 class Message:
     src: str
-    kind: str
+    kind: Kind
     body: Any
+    """The struct of ``kind`` (``loom_supervisor.client.PeerDied`` for PEER_DIED)."""
+
+
+class FrameConnection(Protocol):
+    """What a Channel needs of a connection: ``loom_supervisor.client.Client`` or a bridge socket."""
+
+    def send(self, dst: str, kind: str, body: bytes = b"") -> None: ...
+
+    def recv(self, timeout: float | None = None) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 def role_name(role: str, rank: int | None) -> str:
@@ -33,47 +44,56 @@ def role_name(role: str, rank: int | None) -> str:
 class Channel:
     """Blocking send/recv of typed messages through the supervisor (thread-safe per direction)."""
 
-    def __init__(self, role: str, rank: int = 0) -> None:
-        from loom_supervisor import client
+    def __init__(self, conn: FrameConnection, name: str, config_bytes: bytes = b"") -> None:
+        from loom_supervisor import client  # lazy: the supervisor wheel is needed only by processes it runs
 
-        self.role = role
-        self.rank = rank
-        self.name = role_name(role, rank)
-        self._client = client
-        self._conn = client.connect(os.environ["LOOM_SUPERVISOR_SOCKET"], role, rank)
-        self._config_bytes = self._conn.hello(role, rank, PROTOCOL_VERSION)
+        self.name = name
+        self._peer_died = client.PeerDied
+        self._malformed = (ValueError, TypeError, KeyError, client.ProtocolError)
+        self._conn = conn
+        self._config_bytes = config_bytes
+
+    @classmethod
+    def connect(cls, role: str, rank: int = 0) -> Channel:
+        """Connect to the supervisor that spawned this process: HELLO, then CONFIG."""
+        from loom_supervisor import client  # lazy: the supervisor wheel is needed only by processes it runs
+
+        conn = client.connect(os.environ[client.ENV_SOCKET], role, rank)
+        config_bytes = conn.hello(role, rank, MESSAGES_VERSION)
+        return cls(conn, role_name(role, rank), config_bytes)
 
     def config(self) -> Any:
         """The LoomConfig from CONFIG (built once, in the CLI process)."""
         return pickle.loads(self._config_bytes)
 
     def ready(self) -> None:
-        self._conn.ready()
+        self._conn.ready()  # type: ignore[attr-defined]
 
-    def send(self, dst: str, kind: str, msg: Any) -> None:
-        self._conn.send(dst, kind, encode(msg))
+    def send(self, dst: str, msg: Any) -> None:
+        self._conn.send(dst, kind_of(msg).value, encode(msg))
 
     def recv(self, timeout: float | None = None) -> Message | None:
         """The next message, decoded; None on timeout. ``EOFError`` when the supervisor is gone.
 
-        A body that does not decode is logged and dropped: one bad frame must not take
-        the process down.
+        A frame whose kind is unknown or whose body does not decode is logged and dropped:
+        one bad frame must not take the process down.
         """
         while True:
             frame = self._conn.recv(timeout)
             if frame is None:
                 return None
             try:
-                if frame.kind in BODY_TYPES:
-                    body: Any = decode_body(frame.kind, frame.body)
-                elif frame.kind == self._client.PEER_DIED:
-                    body = self._client.decode_body(frame)
+                kind = Kind(frame.kind)
+                if kind is Kind.PEER_DIED:
+                    body: Any = self._peer_died.from_frame(frame)
+                elif kind is Kind.SHUTDOWN:
+                    body = Shutdown()
                 else:
-                    body = frame.body
-            except (ValueError, TypeError, KeyError) as e:
-                logger.error("Dropped a %s frame from %s whose body does not decode: %s", frame.kind, frame.src, e)
+                    body = decode_body(kind, frame.body)
+            except self._malformed as e:
+                logger.error("Dropped a %s frame from %s that does not decode: %s", frame.kind, frame.src, e)
                 continue
-            return Message(frame.src, frame.kind, body)
+            return Message(frame.src, kind, body)
 
     def close(self) -> None:
         self._conn.close()

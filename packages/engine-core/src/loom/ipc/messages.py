@@ -1,10 +1,10 @@
 """Every message that crosses a process boundary of a serve, in one place.
 
-Frames carry ``(src, dst, kind, body)``; ``kind`` names one of the structs below and
-``body`` is that struct, msgpack-encoded by :mod:`.codec`. ``PROTOCOL_VERSION`` is
-checked at HELLO by the supervisor; bump it when a struct changes.
-
-Who sends what:
+Frames carry ``(src, dst, kind, body)``. Each message is a dataclass with exactly one
+:class:`Kind` (``KIND_OF``), so a sender passes the struct alone and a receiver matches on
+its type; ``body`` is the struct msgpack-encoded by :mod:`.codec`. ``MESSAGES_VERSION``
+versions these structs (the supervisor checks that every HELLO states the plan's); bump it
+when one changes. The frame format itself is the supervisor's (``loom_supervisor.WIRE_VERSION``).
 
 =================  =======================  ==============================================
 kind               direction                body
@@ -12,38 +12,49 @@ kind               direction                body
 ADD_REQUEST        frontend -> engine_core  AddRequest
 ABORT              frontend -> engine_core  AbortRequests
 OUTPUTS            engine_core -> frontend  EngineOutputs (deltas, per-request errors, stats)
+ENGINE_READY       engine_core -> frontend  EngineReady
 WORKER_INFO        worker:r -> engine_core  WorkerInfo (memory for the KV cache)
 INIT_CACHE         engine_core -> workers   InitCache
-CACHE_READY        worker:r -> engine_core  WorkerInfo (echoed, cache allocated)
+CACHE_READY        worker:r -> engine_core  CacheReady (cache allocated)
 EXECUTE            engine_core -> workers   SchedulerOutput
 MODEL_OUTPUT       worker:0 -> engine_core  ModelRunnerOutput
 STEP_ERROR         worker:r -> engine_core  StepError
-ENGINE_READY       engine_core -> frontend  EngineReady
+SHUTDOWN           supervisor -> frontend   Shutdown (drain, then exit 0)
+PEER_DIED          supervisor -> frontend   loom_supervisor.client.PeerDied
 =================  =======================  ==============================================
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from ..engine.llm_engine import EngineStats
-from ..engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loom_plugin_api import SamplingParams
+from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
+
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..stats import EngineStats
 from .codec import decode, encode
 
-PROTOCOL_VERSION = 2  # 2: penalties and prompt logprobs in SamplingParams, runner and request outputs
+MESSAGES_VERSION = 3  # 3: CacheReady, Shutdown; one kind per struct
 
-ADD_REQUEST = "ADD_REQUEST"
-ABORT = "ABORT"
-OUTPUTS = "OUTPUTS"
-WORKER_INFO = "WORKER_INFO"
-INIT_CACHE = "INIT_CACHE"
-CACHE_READY = "CACHE_READY"
-EXECUTE = "EXECUTE"
-MODEL_OUTPUT = "MODEL_OUTPUT"
-STEP_ERROR = "STEP_ERROR"
-ENGINE_READY = "ENGINE_READY"
+
+class Kind(str, enum.Enum):
+    """A frame's kind: which message its body holds."""
+
+    ADD_REQUEST = "ADD_REQUEST"
+    ABORT = "ABORT"
+    OUTPUTS = "OUTPUTS"
+    ENGINE_READY = "ENGINE_READY"
+    WORKER_INFO = "WORKER_INFO"
+    INIT_CACHE = "INIT_CACHE"
+    CACHE_READY = "CACHE_READY"
+    EXECUTE = "EXECUTE"
+    MODEL_OUTPUT = "MODEL_OUTPUT"
+    STEP_ERROR = "STEP_ERROR"
+    # from the supervisor (its own wire names)
+    SHUTDOWN = "SHUTDOWN"
+    PEER_DIED = "PEER_DIED"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -65,6 +76,7 @@ class RequestError:
     request_id: str
     message: str
     status: int = 400
+    """400: the engine rejected the request; 500: it failed the request and serves the others."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -72,6 +84,12 @@ class EngineOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
     stats: EngineStats | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineReady:
+    num_blocks: int
+    block_size: int
 
 
 @dataclass(slots=True, kw_only=True)
@@ -89,41 +107,60 @@ class InitCache:
 
 
 @dataclass(slots=True, kw_only=True)
+class CacheReady:
+    rank: int
+
+
+@dataclass(slots=True, kw_only=True)
 class StepError:
     rank: int
     message: str
 
 
 @dataclass(slots=True, kw_only=True)
-class EngineReady:
-    num_blocks: int
-    block_size: int
+class Shutdown:
+    """The supervisor asks the front end to drain (its frame has an empty body)."""
 
 
-BODY_TYPES: dict[str, type] = {
-    ADD_REQUEST: AddRequest,
-    ABORT: AbortRequests,
-    OUTPUTS: EngineOutputs,
-    WORKER_INFO: WorkerInfo,
-    INIT_CACHE: InitCache,
-    CACHE_READY: WorkerInfo,
-    EXECUTE: SchedulerOutput,
-    MODEL_OUTPUT: ModelRunnerOutput,
-    STEP_ERROR: StepError,
-    ENGINE_READY: EngineReady,
+BODY_TYPES: dict[Kind, type] = {
+    Kind.ADD_REQUEST: AddRequest,
+    Kind.ABORT: AbortRequests,
+    Kind.OUTPUTS: EngineOutputs,
+    Kind.ENGINE_READY: EngineReady,
+    Kind.WORKER_INFO: WorkerInfo,
+    Kind.INIT_CACHE: InitCache,
+    Kind.CACHE_READY: CacheReady,
+    Kind.EXECUTE: SchedulerOutput,
+    Kind.MODEL_OUTPUT: ModelRunnerOutput,
+    Kind.STEP_ERROR: StepError,
 }
+"""The structs peers exchange, by kind (SHUTDOWN and PEER_DIED come from the supervisor)."""
+
+SUPERVISOR_KINDS: dict[Kind, type | None] = {Kind.SHUTDOWN: Shutdown, Kind.PEER_DIED: None}
+"""Kinds the supervisor sends; PEER_DIED's body is ``loom_supervisor.client.PeerDied``."""
+
+KIND_OF: dict[type, Kind] = {tp: kind for kind, tp in BODY_TYPES.items()}
 
 __all__ = [
-    "BODY_TYPES", "PROTOCOL_VERSION", "AbortRequests", "AddRequest", "EngineOutputs", "EngineReady",
-    "InitCache", "RequestError", "StepError", "WorkerInfo", "decode", "decode_body",
-    "encode",
+    "BODY_TYPES", "KIND_OF", "MESSAGES_VERSION", "SUPERVISOR_KINDS", "AbortRequests", "AddRequest", "CacheReady", "EngineOutputs",
+    "EngineReady", "InitCache", "Kind", "RequestError", "Shutdown", "StepError", "WorkerInfo", "decode",
+    "decode_body", "encode", "kind_of",
 ]
+
+
+def kind_of(msg: object) -> Kind:
+    """The kind a message travels as; a type without one is an error naming it."""
+    try:
+        return KIND_OF[type(msg)]
+    except KeyError:
+        raise TypeError(f"{type(msg).__name__} is not a message type; known: "
+                        f"{', '.join(tp.__name__ for tp in KIND_OF)}") from None
 
 
 def decode_body(kind: str, body: bytes) -> object:
     """Decode a frame body by its kind; an unknown kind is an error naming it."""
     try:
-        tp = BODY_TYPES[kind]
-    except KeyError:
+        tp = BODY_TYPES[Kind(kind)]
+    except (ValueError, KeyError):
         raise ValueError(f"unknown message kind {kind!r}; known: {', '.join(BODY_TYPES)}") from None
     return decode(tp, body)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from loom_plugin_api.step import SampledLogprobs
 
-from ..engine.scheduler_output import SampledLogprobs
 from ..sampling_params import SamplingParams
 
 

@@ -33,6 +33,7 @@ _FORMAT_NEEDS = {"safetensors": "hf", "gguf": "gguf"}
 
 
 def _load_safetensors(model: nn.Module, config: LoomConfig, show_progress: bool) -> str:
+    # lazy: .base and .weight_utils import torch; the CLI reads this table without it
     from .base import load_weights_into
     from .weight_utils import safetensors_files, safetensors_weights_iterator
 
@@ -42,6 +43,7 @@ def _load_safetensors(model: nn.Module, config: LoomConfig, show_progress: bool)
 
 
 def _load_gguf(model: nn.Module, config: LoomConfig, show_progress: bool) -> str:
+    # lazy: .base and .weight_utils import torch; the CLI reads this table without it
     from .base import load_weights_into
     from .gguf_loader import ensure_gguf_cache, gguf_weights_file
     from .weight_utils import safetensors_weights_iterator
@@ -53,7 +55,7 @@ def _load_gguf(model: nn.Module, config: LoomConfig, show_progress: bool) -> str
 
 
 def _load_dummy(model: nn.Module, config: LoomConfig, show_progress: bool) -> str:
-    from .base import initialize_dummy_weights
+    from .base import initialize_dummy_weights  # lazy: .base imports torch
 
     initialize_dummy_weights(model, seed=config.model_config.seed or 0)
     return "dummy weights"
@@ -103,7 +105,7 @@ def resolve_load_format(config: LoomConfig) -> str:
 
 def __getattr__(name: str) -> Any:
     if name in ("get_model", "initialize_dummy_weights", "load_weights_into"):
-        from . import base
+        from . import base  # lazy: .base imports torch, which the CLI must not load
 
         return getattr(base, name)
     raise AttributeError(f"module 'loom.model_loader' has no attribute {name!r}")

@@ -24,17 +24,18 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .. import envs
 from ..logger import init_logger
 from ..transformers_utils.config import HFConfig
+from ..transformers_utils.fast_tokenizer import FastTokenizer
 
 if TYPE_CHECKING:
     import torch
-    from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
-
-    from ..transformers_utils.fast_tokenizer import FastTokenizer
 
 logger = init_logger(__name__)
 
@@ -103,8 +104,6 @@ class _Metadata:
 
 
 def _open(path: str) -> _Metadata:
-    from gguf import GGUFReader
-
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError, struct.error) as e:
@@ -167,6 +166,7 @@ def _config_dict(meta: _Metadata) -> dict[str, Any]:
 
 
 def _make_hf_config(config: dict[str, Any]) -> PretrainedConfig:
+    # lazy: transformers imports torch; only the one-time conversion needs it
     from transformers import LlamaConfig
 
     return LlamaConfig(**config)
@@ -205,8 +205,6 @@ def _gguf_tensors(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str
         n_head = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
 
         def make(tensor: Any = tensor, shape: tuple[int, ...] = shape, n_head: int | None = n_head) -> np.ndarray:
-            from gguf.quants import dequantize
-
             try:
                 array = dequantize(tensor.data, tensor.tensor_type)
             except NotImplementedError:
@@ -220,7 +218,7 @@ def _gguf_tensors(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str
 
 def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, float32 tensor)`` of every tensor of a llama GGUF file, Q/K un-permuted."""
-    import torch
+    import torch  # lazy: the CLI, front end and engine core use this module without torch
 
     meta = _open(path)
     config = _config_dict(meta)
@@ -253,8 +251,6 @@ def _write_safetensors(path: str, items: Iterable[tuple[str, tuple[int, ...], An
 
 # ---- tokenizer -----------------------------------------------------------------------
 def _pre_tokenizer(pre: str | None) -> Any:
-    from tokenizers import Regex, pre_tokenizers
-
     if pre in _DIGITS_THEN_GPT2:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
@@ -268,7 +264,7 @@ def _pre_tokenizer(pre: str | None) -> Any:
 
 
 def _build_tokenizer(meta: _Metadata) -> PreTrainedTokenizerFast:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+    # lazy: transformers imports torch; only the one-time conversion needs it
     from transformers import PreTrainedTokenizerFast
 
     model = meta.require("tokenizer.ggml.model")
@@ -392,6 +388,4 @@ def load_gguf_config(path: str, cache_root: str | None = None) -> HFConfig:
 def get_gguf_tokenizer(path: str, cache_root: str | None = None) -> FastTokenizer:
     """The tokenizer described by a GGUF file's ``tokenizer.ggml.*`` metadata (cached), as
     loom loads it: ``FastTokenizer`` over the cached ``tokenizer.json``."""
-    from ..transformers_utils.fast_tokenizer import FastTokenizer
-
     return FastTokenizer(ensure_gguf_cache(path, cache_root))

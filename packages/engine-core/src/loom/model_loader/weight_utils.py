@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
 
 __all__ = ["default_weight_loader", "safetensors_files", "safetensors_weights_iterator"]
 
@@ -40,9 +42,6 @@ def safetensors_weights_iterator(files: list[str], show_progress: bool = True) -
 
     A file that is missing, truncated or not safetensors raises ``ValueError`` naming it.
     """
-    from safetensors import SafetensorError, safe_open
-    from tqdm import tqdm
-
     def open_file(path: str) -> Any:
         try:
             return safe_open(path, framework="pt", device="cpu")

@@ -110,6 +110,7 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
 def get_hf_config(path: str, model_format: str) -> HFConfig:
     """The config of the model at ``path`` (a GGUF file is converted into the cache once)."""
     if model_format == "gguf":
+        # lazy: gguf_loader imports numpy and gguf, which only a GGUF model needs
         from ..model_loader.gguf_loader import load_gguf_config
 
         return load_gguf_config(path)

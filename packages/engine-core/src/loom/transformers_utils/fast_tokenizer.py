@@ -17,6 +17,10 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+from jinja2 import nodes
+from jinja2.exceptions import TemplateError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 __all__ = ["FastTokenizer", "compile_chat_template"]
@@ -47,11 +51,6 @@ def _read_chat_template(path: str, config: dict[str, Any]) -> str | None:
 def compile_chat_template(template: str) -> Any:
     """Compile a chat template the way transformers does (sandboxed, trimmed blocks, its
     ``{% generation %}`` tag and helpers). Raises ``jinja2.TemplateSyntaxError``."""
-    from jinja2 import nodes
-    from jinja2.exceptions import TemplateError
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     class GenerationTag(Extension):
         # {% generation %}...{% endgeneration %} marks assistant text for training masks;
         # rendering keeps what it encloses.

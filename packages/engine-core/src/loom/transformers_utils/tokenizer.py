@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from .fast_tokenizer import FastTokenizer
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -30,9 +32,8 @@ def _from_hf_dir(path: str) -> PreTrainedTokenizerBase:
         )
     try:
         if os.path.isfile(os.path.join(path, "tokenizer.json")):
-            from .fast_tokenizer import FastTokenizer
-
             return FastTokenizer(path)
+        # lazy: transformers imports torch; only a tokenizer without tokenizer.json needs it
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -45,6 +46,7 @@ def get_tokenizer(model_config: ModelConfig) -> PreTrainedTokenizerBase:
     if model_config.tokenizer:
         return _from_hf_dir(os.path.abspath(os.path.expanduser(model_config.tokenizer)))
     if model_config.model_format == "gguf":
+        # lazy: gguf_loader imports numpy and gguf, which only a GGUF model needs
         from ..model_loader.gguf_loader import get_gguf_tokenizer
 
         return get_gguf_tokenizer(model_config.model_path)

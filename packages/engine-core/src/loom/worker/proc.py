@@ -16,14 +16,17 @@ import os
 import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING
 
 from loom_plugin_api import WorkerBase, load_general_plugins
+from loom_plugin_api.step import SchedulerOutput
 
+from .. import envs
+from ..ipc.channel import Channel
+from ..ipc.messages import CacheReady, InitCache, StepError, WorkerInfo
 from ..logger import init_logger
-
-if TYPE_CHECKING:
-    from ..ipc.channel import Channel
+from ..platforms import current_platform
+from .resolve import resolve_worker_cls
+from .services import EngineWorkerServices
 
 logger = init_logger("loom.worker")
 
@@ -33,16 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     rank = parser.parse_args(argv).rank
 
-    from ..platforms import current_platform
-
-    load_general_plugins()
-    from .. import envs
-    from ..engine.executor import resolve_worker_cls
-    from ..ipc import messages as m
-    from ..ipc.channel import Channel
-    from .services import EngineWorkerServices
-
-    channel = Channel("worker", rank)
+    load_general_plugins()  # the platform is resolved: importing current_platform above did it
+    channel = Channel.connect("worker", rank)
     config = channel.config()
     current_platform.register_triton_kernel_overrides()
     worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
@@ -54,19 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     worker.init_device()
     worker.load_model()
     current_platform.update_block_size_for_backend(config)
-    info = m.WorkerInfo(
+    channel.send("engine_core", WorkerInfo(
         rank=rank, available_bytes=worker.determine_available_memory(),
         block_bytes=worker.get_kv_cache_block_bytes(), block_size=config.cache_config.block_size,
-    )
-    channel.send("engine_core", m.WORKER_INFO, info)
-    while True:
-        msg = channel.recv()
-        if msg is not None and msg.kind == m.INIT_CACHE:
-            break
-    config.cache_config.num_blocks = msg.body.num_blocks
-    worker.initialize_cache(msg.body.num_blocks)
+    ))
+    init = _recv(channel, InitCache)
+    config.cache_config.num_blocks = init.num_blocks
+    worker.initialize_cache(init.num_blocks)
     envs.enable_envs_cache()
-    channel.send("engine_core", m.CACHE_READY, info)
+    channel.send("engine_core", CacheReady(rank=rank))
     channel.ready()
     logger.info("Worker rank %d is ready", rank)
     # The supervisor stops a serve with SIGTERM: leave the step loop and let the worker
@@ -84,21 +75,27 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
-def _serve_steps(channel: Channel, worker: WorkerBase, rank: int) -> None:
-    from ..ipc import messages as m
-
+def _recv(channel: Channel, tp: type[InitCache]) -> InitCache:
     while True:
         msg = channel.recv()
-        if msg is None or msg.kind != m.EXECUTE:
+        if msg is not None and isinstance(msg.body, tp):
+            return msg.body
+
+
+def _serve_steps(channel: Channel, worker: WorkerBase, rank: int) -> None:
+    while True:
+        msg = channel.recv()
+        if msg is None or not isinstance(msg.body, SchedulerOutput):
             continue
         try:
             output = worker.execute_model(msg.body)
         except Exception as e:  # the engine core aborts the step's requests and goes on
             logger.error("Worker rank %d step failed:\n%s", rank, traceback.format_exc())
-            channel.send("engine_core", m.STEP_ERROR, m.StepError(rank=rank, message=f"{type(e).__name__}: {e}"))
+            channel.send("engine_core", StepError(rank=rank, message=f"{type(e).__name__}: {e}"))
             continue
         if output is not None:
-            channel.send("engine_core", m.MODEL_OUTPUT, output)
+            channel.send("engine_core", output)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,8 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from ..engine.scheduler_output import PromptLogprobs, ScheduledRequest
+from loom_plugin_api.step import PromptLogprobs, ScheduledRequest
 
 _ROWS_PER_PASS = 256
 """Prompt positions sent through the LM head at once: bounds the (rows, vocab) logits held."""

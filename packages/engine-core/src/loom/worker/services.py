@@ -12,7 +12,13 @@ from loom_plugin_api import WorkerServices
 from loom_plugin_api.sampling_params import SamplingParams
 from loom_plugin_api.step import ModelInput, PromptLogprobs, ScheduledRequest, SchedulerOutput
 
+from .. import platforms
 from ..config import LoomConfig
+from ..distributed.parallel_state import init_distributed_environment
+from ..layers.attention import Attention
+from ..layers.sampler import Sampler, SamplingMetadata
+from ..model_loader.base import get_model
+from . import input_batch, prompt_logprobs
 
 __all__ = ["EngineWorkerServices"]
 
@@ -20,51 +26,34 @@ __all__ = ["EngineWorkerServices"]
 class EngineWorkerServices(WorkerServices):
     def init_distributed(self, config: LoomConfig, rank: int, distributed_init_method: str | None,
                          device: torch.device) -> None:
-        from ..distributed.parallel_state import init_distributed_environment
-        from ..platforms import current_platform
-
         # gloo takes no device to bind; backends of devices with their own memory do.
         bind = device if device.type != "cpu" else None
         init_distributed_environment(config.parallel_config.tensor_parallel_size, rank, distributed_init_method,
-                                     current_platform.dist_backend, bind)
+                                     platforms.current_platform.dist_backend, bind)
 
     def build_model(self, config: LoomConfig, device: torch.device) -> nn.Module:
-        from ..model_loader import get_model
-
         return get_model(config, device)
 
     def attention_layers(self, model: nn.Module) -> list[nn.Module]:
-        from ..layers.attention import Attention
-
         return [m for m in model.modules() if isinstance(m, Attention)]
 
     def prepare_inputs(self, step: SchedulerOutput, block_size: int, device: torch.device) -> ModelInput:
-        from .input_batch import prepare_inputs
-
-        return prepare_inputs(step, block_size, device)
+        return input_batch.prepare_inputs(step, block_size, device)
 
     def new_sampler(self) -> Callable[..., Any]:
-        from ..layers.sampler import Sampler
-
         return Sampler()
 
     def sampling_metadata(self, params: list[SamplingParams], generators: list[torch.Generator | None],
                           num_output_tokens: list[int], eos_token_id: int | None,
                           seen_token_ids: list[list[int]] | None,
                           output_token_ids: list[list[int]] | None) -> Any:
-        from ..layers.sampler import SamplingMetadata
-
         return SamplingMetadata.from_requests(params, generators, num_output_tokens, eos_token_id, seen_token_ids,
                                               output_token_ids)
 
     def new_prompt_logprobs_state(self, prompt_token_ids: list[int], num_top: int) -> Any:
-        from .prompt_logprobs import PromptLogprobsState
-
-        return PromptLogprobsState(prompt_token_ids, num_top)
+        return prompt_logprobs.PromptLogprobsState(prompt_token_ids, num_top)
 
     def collect_prompt_logprobs(self, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                                 hidden_states: torch.Tensor, scheduled: list[ScheduledRequest],
                                 states: dict[str, Any]) -> list[PromptLogprobs]:
-        from .prompt_logprobs import collect_prompt_logprobs
-
-        return collect_prompt_logprobs(compute_logits, hidden_states, scheduled, states)
+        return prompt_logprobs.collect_prompt_logprobs(compute_logits, hidden_states, scheduled, states)

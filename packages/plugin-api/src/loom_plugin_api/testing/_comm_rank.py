@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import sys
 
+import torch
+import torch.distributed as dist
+
+from .._qualname import resolve_obj_by_qualname
+from ..context import set_platform_resolver
+
 
 def main(rank: int, world: int, init_method: str, platform_qualname: str, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from .._qualname import resolve_obj_by_qualname
-    from ..context import set_platform_resolver
-
     platform_cls = resolve_obj_by_qualname(platform_qualname)
     platform = platform_cls()
     set_platform_resolver(lambda: platform)

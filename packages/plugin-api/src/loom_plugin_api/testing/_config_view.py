@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import torch
+
 __all__ = ["ConfigView", "snapshot", "tiny_config_view"]
 
 
@@ -31,8 +33,6 @@ class ModelView:
 
     @property
     def torch_dtype(self) -> Any:
-        import torch
-
         return getattr(torch, self.dtype)
 
     def get_hidden_size(self) -> int:

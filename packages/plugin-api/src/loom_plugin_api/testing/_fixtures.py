@@ -6,14 +6,12 @@ import pytest
 
 from ..context import set_platform_resolver
 from ..platform import Platform
-from ._platform import PlatformUnderTest, general_plugins_of
+from ._platform import PlatformUnderTest, general_plugins_of, inspect_platform
 
 
 @pytest.fixture(scope="session")
 def loom_platform_under_test(request: pytest.FixtureRequest) -> PlatformUnderTest:
     """The platform the kit checks (``--loom-platform``), inspected once per session."""
-    from ._platform import inspect_platform
-
     name = request.config.getoption("--loom-platform")
     try:
         return inspect_platform(name, request.config.getoption("--loom-platform-class"))

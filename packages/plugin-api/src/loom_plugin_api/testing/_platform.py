@@ -12,7 +12,7 @@ import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._groups import PLATFORM_PLUGINS_GROUP
+from .._groups import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP
 from .._qualname import resolve_obj_by_qualname
 from ..platform import Platform
 from ..validation import contract_range
@@ -156,8 +156,6 @@ def inspect_platform(name: str, forced_class: str | None) -> PlatformUnderTest:
 
 def general_plugins_of(distribution: str | None) -> list[importlib.metadata.EntryPoint]:
     """The ``loom.general_plugins`` entry points that ``distribution`` declares."""
-    from .._groups import GENERAL_PLUGINS_GROUP
-
     return [
         ep
         for ep in importlib.metadata.entry_points(group=GENERAL_PLUGINS_GROUP)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 __all__ = ["CHAT_TEMPLATE", "build_tiny_model", "build_tokenizer", "hf_greedy"]
 
 CHAT_TEMPLATE = (
@@ -18,6 +20,7 @@ SPECIAL = ["<unk>", "<s>", "</s>"]
 
 
 def build_tokenizer(path: Path):
+    # lazy: optional dependency (transformers and tokenizers come with the testing extra)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -35,7 +38,7 @@ def build_tokenizer(path: Path):
 
 def build_tiny_model(path: Path, kind: str, seed: int = 0) -> Path:
     """A 2-layer ``kind`` ("llama" or "opt") with random weights, saved as float32 safetensors."""
-    import torch
+    # lazy: optional dependency (transformers and tokenizers come with the testing extra)
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
     if (path / "config.json").exists():
@@ -87,8 +90,7 @@ def build_tiny_model(path: Path, kind: str, seed: int = 0) -> Path:
 
 def hf_greedy(path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers' greedy tokens (float32, no stop on EOS): the worker tier's reference."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: optional dependency (the testing extra)
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = list(prompt)

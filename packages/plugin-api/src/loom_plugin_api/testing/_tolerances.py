@@ -3,6 +3,7 @@ and rounds once (or an interpreter that truncates instead of rounding) stays wit
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 __all__ = ["ELEMENTWISE", "ATTENTION", "assert_close", "torch_dtype"]
@@ -28,8 +29,6 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float], what: str) -> None:
     """Fail with the worst element and what to fix."""
-    import pytest
-
     atol, rtol = tol
     actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
     if actual.shape != expected.shape:

@@ -15,6 +15,15 @@ import sys
 import traceback
 from typing import Any
 
+from loom import platforms
+from loom.engine.arg_utils import EngineArgs
+from loom.engine.executor import num_blocks_for
+from loom.worker.resolve import resolve_worker_cls
+from loom.worker.services import EngineWorkerServices
+
+from ..sampling_params import SamplingParams
+from ..step import NewRequestData, ScheduledRequest, SchedulerOutput
+
 
 class _Events:
     def __init__(self, path: str) -> None:
@@ -59,9 +68,6 @@ def _run_steps(
     block_size: int,
     eos_token_id: int,
 ) -> dict[str, list[int]]:
-    from ..sampling_params import SamplingParams
-    from ..step import NewRequestData, ScheduledRequest, SchedulerOutput
-
     next_block = iter(range(1, 1 << 20))
     blocks: dict[str, list[int]] = {r: [] for r in prompts}
     computed = {r: 0 for r in prompts}
@@ -126,11 +132,7 @@ def _run_steps(
 
 
 def main(model_dir: str, spec_path: str, events_path: str) -> int:
-    from loom.engine.arg_utils import EngineArgs
-    from loom.engine.executor import num_blocks_for, resolve_worker_cls
-    from loom.platforms import current_platform
-    from loom.worker.services import EngineWorkerServices
-
+    current_platform = platforms.current_platform
     spec = json.loads(open(spec_path).read())
     event = _Events(events_path)
     stage = "config"

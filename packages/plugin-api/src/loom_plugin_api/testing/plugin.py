@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ._platform import inspect_platform, known_names
 from .tiers import TIERS
 
 _KIT_PACKAGE = Path(__file__).resolve().parent
@@ -49,8 +50,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{tier}: loom conformance kit tier: {what}")
     name = config.getoption("--loom-platform")
     if name:
-        from ._platform import known_names
-
         if name not in known_names():
             raise pytest.UsageError(
                 f"--loom-platform {name}: no platform detector of that name is installed; installed: "
@@ -124,8 +123,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def _platform_summary(config: pytest.Config) -> dict[str, object]:
-    from ._platform import inspect_platform
-
     name = config.getoption("--loom-platform")
     try:
         put = inspect_platform(name, config.getoption("--loom-platform-class"))

@@ -63,7 +63,7 @@ def serve_run(
     loom_platform_under_test: PlatformUnderTest,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
-    import openai
+    import openai  # lazy: optional dependency (the testing extra); only this tier needs it
 
     if not loom_platform_under_test.device_present:
         pytest.skip(f"needs the device: {loom_platform_under_test.error}")

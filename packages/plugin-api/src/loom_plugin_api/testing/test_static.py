@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
+from .._groups import PLATFORM_PLUGINS_GROUP
 from ..attention import AttentionBackend, AttentionSelectorConfig
 from ..communicator import DeviceCommunicatorBase
 from ..errors import PlatformError
 from ..platform import Platform
-from ..validation import validate_platform_cls
+from ..validation import CONTRACT_DISTRIBUTION, contract_mismatch, validate_platform_cls
 from ._names import resolve_subclass
 from ._platform import PlatformUnderTest
 
@@ -39,7 +42,7 @@ def test_entry_point_loads(loom_platform_under_test: PlatformUnderTest) -> None:
     if put.detector is None:
         pytest.fail(
             f"{put.error}. Fix the import, or the entry point's value in your pyproject.toml "
-            '[project.entry-points."loom.platform_plugins"]'
+            f'[project.entry-points."{PLATFORM_PLUGINS_GROUP}"]'
         )
 
 
@@ -93,10 +96,6 @@ def test_platform_class_resolves(loom_platform_under_test: PlatformUnderTest) ->
 
 
 def test_contract_range_includes_installed_contract(loom_platform_under_test: PlatformUnderTest) -> None:
-    import importlib.metadata
-
-    from ..validation import CONTRACT_DISTRIBUTION, contract_mismatch
-
     put = loom_platform_under_test
     if put.distribution is None:
         pytest.fail(
@@ -131,8 +130,6 @@ def test_no_misspelled_hooks(platform_cls: type[Platform],
 
 
 def test_attention_backend_resolves(platform_cls: type[Platform]) -> None:
-    import torch
-
     selector = AttentionSelectorConfig(head_size=64, dtype=torch.float32, block_size=16)
     qualname = platform_cls.get_attn_backend_cls(None, selector, 4)
     resolve_subclass(qualname, AttentionBackend, f"{platform_cls.__qualname__}.get_attn_backend_cls()")

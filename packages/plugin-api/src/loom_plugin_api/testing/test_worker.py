@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ..platform import Platform
 from ._platform import PlatformUnderTest
@@ -51,8 +52,6 @@ def worker_run(
     kind = request.param
     tmp = tmp_path_factory.mktemp(f"worker-{kind}")
     model = build_tiny_model(tmp / "model", kind)
-    import torch
-
     g = torch.Generator().manual_seed(1)
     prompts = {
         "chunked": torch.randint(3, 259, (21,), generator=g).tolist(),

@@ -6,6 +6,9 @@ import argparse
 import sys
 
 from ...engine.arg_utils import EngineArgs
+from ...sampling_params import SamplingParams
+from ..chat_utils import load_chat_template
+from ..llm import LLM
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -22,10 +25,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...entrypoints.llm import LLM
-    from ...sampling_params import SamplingParams
-    from ..chat_utils import load_chat_template
-
     chat_template = load_chat_template(args.chat_template)  # a bad template fails before the model loads
     engine_args = EngineArgs.from_cli_args(args)
     kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from ... import __version__
 from ...logger import init_logger
 
 logger = init_logger(__name__)
@@ -28,8 +29,6 @@ def _chosen(argv: list[str]) -> str | None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loom", description="loom: a plugin-first LLM inference server")
-    from ... import __version__
-
     parser.add_argument("--version", action="version", version=f"loom {__version__}")
     subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
     chosen = _chosen(argv)

@@ -10,6 +10,7 @@ from loom_plugin_api.errors import PlatformError, PluginError
 from loom_plugin_api.loader import PluginRecord
 from loom_plugin_api.validation import installed_contract_version
 
+from ... import envs, platforms
 from . import plugins_check, plugins_new
 
 
@@ -50,8 +51,6 @@ def run(args: argparse.Namespace) -> int:
         return plugins_check.run(args)
     if command == "new":
         return plugins_new.run(args)
-    from ... import envs, platforms
-
     raw = envs.LOOM_PLUGINS
     print("LOOM_PLUGINS: " + ("unset (all plugins load)" if raw is None else repr(raw)))
     print(f"installed contract: loom-plugin-api {installed_contract_version()}")

@@ -55,7 +55,7 @@ def pytest_args(args: argparse.Namespace, workdir: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import pytest
+    import pytest  # lazy: optional dependency (loom plugins works without pytest; only check runs it)
 
     with tempfile.TemporaryDirectory(prefix="loom-plugins-check-") as workdir:
         return int(pytest.main(pytest_args(args, Path(workdir))))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..plan import add_serve_args
+from ..plan import add_serve_args, plan_from_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -12,11 +12,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..plan import plan_from_args
-
-    plan = plan_from_args(args)  # config errors end here, before anything is spawned
     try:
-        import loom_supervisor
+        import loom_supervisor  # lazy: an optional wheel; without it the other commands still work
     except ImportError:
         raise ImportError("loom serve needs the supervisor: pip install ./supervisor-rs (loom-supervisor)") from None
+    plan = plan_from_args(args)  # config errors end here, before anything is spawned
     return int(loom_supervisor.run(plan))

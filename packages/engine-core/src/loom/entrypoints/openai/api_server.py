@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from loom_plugin_api import ENDPOINT_PLUGINS_GROUP, PluginError, load_plugins_by_group, plugin_records
+from loom_plugin_api import ENDPOINT_PLUGINS_GROUP, PluginError, load_plugins_strict
 from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -23,7 +23,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ... import __version__
-from ...engine.async_llm import EngineClient
+from ...engine.client import EngineClient
 from ...logger import init_logger
 from ...metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -98,14 +98,7 @@ def build_app(
 def apply_endpoint_plugins(app: FastAPI, plugins: Mapping[str, Callable[[FastAPI], None]] | None = None) -> None:
     """Let each endpoint plugin add its routes; a plugin that fails, or shadows a route, stops start-up."""
     if plugins is None:
-        plugins = load_plugins_by_group(ENDPOINT_PLUGINS_GROUP)
-        failed = [r for r in plugin_records(ENDPOINT_PLUGINS_GROUP) if r.status == "failed"]
-        if failed:
-            r = failed[0]
-            raise PluginError(
-                f"endpoint plugin {r.name!r} ({r.value}, from {r.distribution}) failed to load: {r.error}. "
-                "Fix or uninstall it, or leave it out with LOOM_PLUGINS."
-            )
+        plugins = load_plugins_strict(ENDPOINT_PLUGINS_GROUP, kind="endpoint")
     for name, add_routes in plugins.items():
         before = {_route_key(r) for r in app.router.routes}
         try:

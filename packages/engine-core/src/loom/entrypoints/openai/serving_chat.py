@@ -7,7 +7,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ...engine.async_llm import EngineClient
+from ...engine.client import EngineClient
 from ...metrics import ServerMetrics
 from ...outputs import CompletionOutput, RequestOutput
 from .protocol import (

@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
 
-from ...engine.async_llm import EngineClient, EngineDeadError, EngineError
+from ...engine.client import EngineClient
+from ...engine.errors import EngineDeadError, EngineError
 from ...logger import init_logger
 from ...metrics import ServerMetrics
 from ...outputs import CompletionOutput, Logprob, RequestOutput

@@ -6,6 +6,7 @@ in the caller's process and starts the workers through the supervisor, exactly a
 child connects as ``engine_core`` and passes frames unchanged between the supervisor and
 the ``LLM`` process (over the Unix socket named by ``LOOM_BRIDGE_SOCKET``). When the
 ``LLM`` closes its end, the bridge exits 0 and the supervisor stops the workers.
+docs/decisions.md says why the bridge stays.
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ import socket
 import sys
 import threading
 
+from loom_supervisor import client
+
+from ..ipc.messages import MESSAGES_VERSION
+
 
 def main() -> int:
-    from loom_supervisor import client
-
-    from ..ipc.messages import PROTOCOL_VERSION
-
     llm = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     llm.connect(os.environ["LOOM_BRIDGE_SOCKET"])
     conn = client.connect(role="engine_core", rank=0)
-    conn.hello("engine_core", 0, PROTOCOL_VERSION)
+    conn.hello("engine_core", 0, MESSAGES_VERSION)
     conn.ready()
 
     def to_llm() -> None:

@@ -1,0 +1,315 @@
+"""``EngineClient``: the engine as the front end sees it, wherever the engine runs.
+
+Requests go in, a stream of deltas comes out per request. One class serves both ways of
+running the engine; only the connection to the engine loop differs (:class:`CoreConnection`):
+
+* :class:`~loom.engine.core_client.ProcCoreConnection`: the engine-core process of
+  ``loom serve``, reached through the supervisor (ADD_REQUEST/ABORT frames out, OUTPUTS in).
+* :class:`~loom.engine.inproc.InprocCoreConnection`: the engine loop on a thread of this
+  process (tests, serving without the process model).
+
+The client owns what both share: the registry of request streams, the dead-engine error
+(every stream in flight and every later request end with it), and the stat loggers
+(``record`` on each report, ``log()`` every ``log_stats_interval`` seconds of activity).
+
+Contract of ``generate``: it yields ``RequestOutput`` deltas (``outputs[i].text``,
+``token_ids`` and ``logprobs`` are the new parts of completion ``index``; the last output has
+``finished=True``). It raises ``ValueError`` when the engine rejects the request (the
+message is for the user: 400), :class:`RequestFailedError` when the engine failed this
+request but goes on (500), and :class:`EngineDeadError` when the engine is gone (503; the
+message names the dead process and the cause). Leaving the iteration early (``aclose``,
+cancellation) aborts the request and frees its KV blocks. An ``abort`` from elsewhere ends
+the stream with a finished output whose completions may lack a finish reason ("abort").
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from loom_plugin_api import SamplingParams
+
+from ..ipc.messages import AddRequest, EngineOutputs
+from ..logger import init_logger
+from ..metrics import load_stat_loggers
+from ..outputs import RequestOutput, merge_deltas
+from ..stats import EngineStats
+from .errors import EngineDeadError, EngineError, RequestFailedError
+
+if TYPE_CHECKING:
+    from ..config import LoomConfig
+
+logger = init_logger(__name__)
+
+__all__ = ["CoreConnection", "CoreEvents", "EngineClient", "EngineDeadError", "EngineError", "RequestFailedError"]
+
+
+class CoreEvents(abc.ABC):
+    """What a connection reports to its client (from any thread)."""
+
+    @abc.abstractmethod
+    def on_outputs(self, outputs: EngineOutputs) -> None: ...
+
+    @abc.abstractmethod
+    def on_engine_ready(self) -> None: ...
+
+    @abc.abstractmethod
+    def on_engine_dead(self, message: str, *, expected: bool = False) -> None:
+        """The engine is gone (the first cause wins); ``expected``: it was shut down (INFO, not ERROR)."""
+
+    @abc.abstractmethod
+    def on_shutdown_requested(self) -> None: ...
+
+
+class CoreConnection(abc.ABC):
+    """How requests reach an engine loop. ``start`` is called once, with the client to report to."""
+
+    @abc.abstractmethod
+    def start(self, events: CoreEvents) -> None: ...
+
+    @abc.abstractmethod
+    def add_request(self, request: AddRequest) -> None: ...
+
+    @abc.abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the engine loop (in-process) or stop talking to it (the process)."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class EngineClient(CoreEvents):
+    """The front end's engine. Its methods run on the event loop; the connection's thread
+    reports through the ``CoreEvents`` methods."""
+
+    stream_interval: int = 1
+    """Tokens per streamed delta at least (``--stream-interval``); the last delta may hold fewer."""
+
+    def __init__(
+        self,
+        config: LoomConfig,
+        tokenizer: Any,
+        connection: CoreConnection,
+        *,
+        stat_loggers: list[Any] | None = None,
+        log_stats_interval: float = 10.0,
+        on_engine_ready: Callable[[], None] | None = None,
+        on_shutdown: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.connection = connection
+        self.stat_loggers = load_stat_loggers(config) if stat_loggers is None else list(stat_loggers)
+        self.log_stats_interval = log_stats_interval
+        self._on_engine_ready = on_engine_ready
+        self._on_shutdown = on_shutdown
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}
+        self._engine_ready = False
+        self._stopping = False
+        self._dead_error: str | None = None
+        self._stats: EngineStats | None = None
+        self._stats_seq = 0  # reports recorded; the stats thread logs when it moved
+        self._stats_wake = threading.Event()
+        self._stats_thread = threading.Thread(target=self._log_stats_loop, name="loom-stats", daemon=True)
+        self._stats_thread.start()
+        connection.start(self)
+
+    # ---- what the front end calls ---------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        """True once the engine takes requests; False again after it died or shut down."""
+        return self._engine_ready and self._dead_error is None and not self._stopping
+
+    @property
+    def dead_error(self) -> str | None:
+        """Why the engine is gone (names the process and the cause), or None while it lives."""
+        return self._dead_error
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    def get_stats(self) -> EngineStats | None:
+        """The engine's latest stats (after its last step); None before the first report."""
+        return self._stats
+
+    async def generate(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], sampling_params: SamplingParams,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the deltas of one request (see the module docstring for the contract)."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if self._dead_error is not None:
+                raise EngineDeadError(self._dead_error)
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self.connection.add_request(AddRequest(
+            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+            sampling_params=sampling_params, stream=True,
+        ))
+        async for item in self._stream(request_id, stream.queue):
+            yield item
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; unknown or finished ids are ignored."""
+        self._abort(request_id, end_stream=True)
+
+    async def shutdown(self) -> None:
+        """Stop the engine; requests still running end with EngineDeadError."""
+        self._stopping = True
+        await self.connection.shutdown()
+        self.on_engine_dead("the server is shutting down", expected=True)
+        self._stats_wake.set()
+        await asyncio.to_thread(self._stats_thread.join, 5)
+
+    # ---- streams --------------------------------------------------------------------------
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a request's deltas from its queue until finished; an exception put on the
+        queue ends the stream with it. Leaving early aborts the request.
+
+        Deltas that queued up while the reader was busy are yielded as one (``merge_deltas``),
+        so a loaded front end sends fewer, larger events instead of falling further behind;
+        with ``stream_interval`` N > 1 a delta also waits until it holds N tokens (or the end).
+        """
+        finished = False
+        pending: RequestOutput | BaseException | None = None
+        try:
+            while not finished:
+                item = pending if pending is not None else await queue.get()
+                pending = None
+                if isinstance(item, BaseException):
+                    finished = True  # the engine has already dropped the request
+                    raise item
+                while not item.finished and (
+                    not queue.empty() or (self.stream_interval > 1 and _new_tokens(item) < self.stream_interval)
+                ):
+                    more = queue.get_nowait() if not queue.empty() else await queue.get()
+                    if isinstance(more, BaseException):
+                        pending = more
+                        break
+                    item = merge_deltas(item, more)
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._abort(request_id, end_stream=False)
+
+    def _abort(self, request_id: str, *, end_stream: bool) -> None:
+        """Drop the request's stream and tell the engine; ``end_stream`` ends it with a final output."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            alive = self._dead_error is None
+        if stream is None:
+            return
+        if alive:
+            try:
+                self.connection.abort_requests([request_id])
+            except OSError:
+                pass  # the supervisor is gone; the connection reports it
+        if end_stream:
+            final = RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], outputs=[], finished=True)
+            _put_all([(stream, final)])
+
+    # ---- CoreEvents: the connection's thread ------------------------------------------------
+    def on_outputs(self, outputs: EngineOutputs) -> None:
+        if outputs.stats is not None:
+            self._record_stats(outputs.stats)
+        items: list[tuple[_Stream, RequestOutput | BaseException]] = []
+        with self._lock:
+            for out in outputs.outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    if out.finished:
+                        del self._streams[out.request_id]
+                    items.append((stream, out))
+            for err in outputs.errors:
+                stream = self._streams.pop(err.request_id, None)
+                if stream is not None:
+                    exc = ValueError(err.message) if err.status < 500 else RequestFailedError(err.message)
+                    items.append((stream, exc))
+        _put_all(items)
+
+    def on_engine_ready(self) -> None:
+        self._engine_ready = True
+        if self._on_engine_ready is not None:
+            self._on_engine_ready()
+
+    def on_engine_dead(self, message: str, *, expected: bool = False) -> None:
+        with self._lock:
+            if self._dead_error is not None:
+                return  # the first cause is the one every request hears
+            self._dead_error = message
+            streams, self._streams = self._streams, {}
+        logger.log(logging.INFO if expected else logging.ERROR, "Engine unavailable: %s", message)
+        error = EngineDeadError(message)
+        _put_all([(stream, error) for stream in streams.values()])
+
+    def on_shutdown_requested(self) -> None:
+        self._stopping = True
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+
+    # ---- stat loggers ---------------------------------------------------------------------
+    def _record_stats(self, stats: EngineStats) -> None:
+        self._stats = stats
+        self._stats_seq += 1
+        self._call_loggers("record", stats)
+
+    def _log_stats_loop(self) -> None:
+        """One ``log()`` per interval while reports come in, and a last one at shutdown."""
+        logged = 0
+        while True:
+            stopping = self._stats_wake.wait(max(self.log_stats_interval, 0.01))
+            if self._stats_seq != logged:
+                logged = self._stats_seq
+                self._call_loggers("log")
+            if stopping:
+                return
+
+    def _call_loggers(self, method: str, *args: Any) -> None:
+        for stat_logger in list(self.stat_loggers):
+            fn = getattr(stat_logger, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception:
+                # A broken logger must not stop serving; it is dropped, loudly.
+                logger.exception("Stat logger %s raised in %s(); it is disabled", type(stat_logger).__name__, method)
+                if stat_logger in self.stat_loggers:
+                    self.stat_loggers.remove(stat_logger)
+
+
+def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+    """Put each item on its stream's queue, one loop callback per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        def put(batch: list[tuple[_Stream, Any]] = batch) -> None:
+            for stream, item in batch:
+                stream.queue.put_nowait(item)
+
+        try:
+            loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def _new_tokens(output: RequestOutput) -> int:
+    return max((len(c.token_ids) for c in output.outputs), default=0)

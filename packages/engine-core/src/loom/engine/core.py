@@ -1,0 +1,81 @@
+"""The engine loop: the one place that drives an ``LLMEngine``.
+
+Every way of running the engine goes through :class:`EngineCore`: the engine-core process
+of ``loom serve`` (:mod:`.core_proc`, commands from the front end's frames), the
+in-process engine thread (:mod:`.inproc`, commands from the same process) and
+``loom.LLM`` (commands from ``generate``). One iteration, :meth:`EngineCore.step`:
+apply the commands that arrived (add, abort), step the engine if it has work, and report
+the step's outputs, per-request errors and stats as one ``EngineOutputs``. A request the
+engine rejects, or a model step that fails, ends those requests only; the engine goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ..ipc.messages import AbortRequests, AddRequest, EngineOutputs, RequestError
+from ..logger import init_logger
+from .errors import EngineStepError
+from .llm_engine import LLMEngine
+
+logger = init_logger(__name__)
+
+Command = AddRequest | AbortRequests
+
+
+class Inbox(Protocol):
+    def get(self, block: bool) -> Sequence[Command] | None:
+        """The commands that arrived (waiting for one when ``block``); None: stop the loop."""
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def step(self, commands: Sequence[Command] = ()) -> EngineOutputs | None:
+        """Apply ``commands``, step once if there is work; None when nothing happened."""
+        engine = self.engine
+        errors = self.apply(commands)
+        busy = engine.has_unfinished_requests()
+        outputs = []
+        if busy:
+            try:
+                outputs = engine.step()
+            except EngineStepError as e:
+                logger.error("%s", e, exc_info=e.__cause__)
+                errors.extend(RequestError(request_id=i, message=str(e), status=500) for i in e.request_ids)
+        if not (commands or busy):
+            return None
+        # Stats go with every report: a handful of integers beside the step's deltas.
+        return EngineOutputs(outputs=outputs, errors=errors, stats=engine.get_stats())
+
+    def apply(self, commands: Sequence[Command]) -> list[RequestError]:
+        """Add and abort requests, in order; the errors of the adds the engine refused."""
+        errors: list[RequestError] = []
+        for command in commands:
+            if isinstance(command, AbortRequests):
+                self.engine.abort_request(command.request_ids)
+            else:
+                self._add(command, errors)
+        return errors
+
+    def _add(self, req: AddRequest, errors: list[RequestError]) -> None:
+        try:
+            self.engine.add_request(req.request_id, req.prompt, req.prompt_token_ids, req.sampling_params,
+                                    stream=req.stream)
+        except ValueError as e:  # the request as given cannot run: the caller's error (400)
+            errors.append(RequestError(request_id=req.request_id, message=str(e), status=400))
+        except Exception as e:  # a bug met by this request alone: fail it (500), serve the others
+            logger.exception("Adding request %r failed", req.request_id)
+            errors.append(RequestError(request_id=req.request_id, message=f"{type(e).__name__}: {e}", status=500))
+
+    def run(self, inbox: Inbox, report: Callable[[EngineOutputs], None]) -> None:
+        """Step while there is work, wait for commands while there is none, until ``inbox`` says stop."""
+        while True:
+            commands = inbox.get(block=not self.engine.has_unfinished_requests())
+            if commands is None:
+                return
+            out = self.step(commands)
+            if out is not None:
+                report(out)

@@ -1,0 +1,23 @@
+"""The errors an engine raises to its callers, and what each means for the request."""
+
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """The engine could not serve a request."""
+
+
+class EngineDeadError(EngineError):
+    """The engine is gone; no request can be served. The message names the process and cause (503)."""
+
+
+class RequestFailedError(EngineError):
+    """The engine failed this request (e.g. its model step raised) and serves the others (500)."""
+
+
+class EngineStepError(RuntimeError):
+    """A model step raised; the requests of that step were aborted, the engine goes on."""
+
+    def __init__(self, message: str, request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids

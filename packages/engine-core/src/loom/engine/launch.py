@@ -1,0 +1,75 @@
+"""The launch plan: which processes a serve runs, with which environment, built in one place.
+
+The CLI process builds the ``LoomConfig`` once (stops 3-7) and the plan carries it, pickled,
+to every child through the supervisor's CONFIG frame. Two shapes, one builder:
+
+* ``loom serve`` / ``loom-supervisor serve``: front end, engine core, one worker per rank.
+* ``loom.LLM(tensor_parallel_size=N)``: the workers, and the bridge that stands in for the
+  engine core (the engine runs in the caller's process; see :mod:`.supervised`).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+
+from loom_supervisor import Plan, ProcessPlan
+
+from ..config import LoomConfig
+from ..config.server import ServerConfig
+from ..ipc.messages import MESSAGES_VERSION
+
+MAX_FRAME_BYTES = 64 << 20
+"""Largest frame the supervisor relays: a SchedulerOutput of a full batch fits many times over."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_env(env: dict[str, str], tp: int) -> dict[str, str]:
+    """The workers' environment: a rendezvous address for torch.distributed, and a share of
+    the cores each, so that ranks do not oversubscribe them."""
+    wenv = dict(env, LOOM_DIST_INIT_METHOD=f"tcp://127.0.0.1:{_free_port()}")
+    if tp > 1:
+        per_rank = max(1, (os.cpu_count() or 1) // tp)
+        wenv.setdefault("LOOM_CPU_NUM_THREADS", str(per_rank))
+        wenv.setdefault("OMP_NUM_THREADS", str(per_rank))
+    return wenv
+
+
+def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge_socket: str | None = None) -> Plan:
+    """The plan of a serve (``server`` given) or of ``loom.LLM``'s workers (``bridge_socket`` given)."""
+    if (server is None) == (bridge_socket is None):
+        raise ValueError("a launch plan has either a server or a bridge to the caller's engine")
+    python = sys.executable
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("LOOM_API_KEY", None)  # the front end alone gets it (below), never on a command line
+    processes: list[ProcessPlan] = []
+    if server is not None:
+        frontend_env = dict(env, **({"LOOM_API_KEY": server.api_key} if server.api_key else {}))
+        processes.append(ProcessPlan(role="frontend", env=frontend_env,
+                                     argv=[python, "-m", "loom.entrypoints.frontend", *server.to_argv()]))
+        processes.append(ProcessPlan(role="engine_core", env=env, argv=[python, "-m", "loom.engine.core_proc"]))
+    else:
+        processes.append(ProcessPlan(role="engine_core", env=dict(env, LOOM_BRIDGE_SOCKET=str(bridge_socket)),
+                                     argv=[python, "-m", "loom.engine.bridge"]))
+    tp = config.parallel_config.tensor_parallel_size
+    wenv = worker_env(env, tp)
+    processes += [ProcessPlan(role="worker", rank=rank, env=wenv,
+                              argv=[python, "-m", "loom.worker.proc", "--rank", str(rank)])
+                  for rank in range(tp)]
+    defaults = ServerConfig()
+    return Plan(
+        processes=processes,
+        config=pickle.dumps(config),
+        startup_timeout_s=float((server or defaults).startup_timeout),
+        grace_period_s=float((server or defaults).grace_period),
+        max_frame_bytes=MAX_FRAME_BYTES,
+        ready_url=server.ready_url if server is not None else None,
+        messages_version=MESSAGES_VERSION,
+    )

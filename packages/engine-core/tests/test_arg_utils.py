@@ -1,0 +1,111 @@
+"""EngineArgs: the parser ``add_cli_args`` builds from the fields, and the order it builds it in."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+from loom import platforms
+from loom.engine import arg_utils
+from loom.engine.arg_utils import EngineArgs
+from loom.model_loader import WEIGHT_LOADERS
+
+# Every flag of today's CLI and its dest: a flag renamed, dropped or added by accident fails here.
+FLAGS = {
+    "--tokenizer": "tokenizer",
+    "--served-model-name": "served_model_name",
+    "--dtype": "dtype",
+    "--max-model-len": "max_model_len",
+    "--hf-overrides": "hf_overrides",
+    "--seed": "seed",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size",
+    "--block-size": "block_size",
+    "--no-enable-prefix-caching": "enable_prefix_caching",
+    "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--enforce-eager": "enforce_eager",
+    "--max-num-seqs": "max_num_seqs",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--no-enable-chunked-prefill": "enable_chunked_prefill",
+    "--custom-ops": "custom_ops",
+    "--load-format": "load_format",
+    "--worker-cls": "worker_cls",
+}
+FLAGLESS = {"model", "fail_on_environ_validation"}  # model is the command's positional
+
+
+def engine_parser() -> argparse.ArgumentParser:
+    return EngineArgs.add_cli_args(argparse.ArgumentParser(exit_on_error=False))
+
+
+def field_default(f: dataclasses.Field) -> object:
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def test_every_flag_defaults_to_its_field() -> None:
+    args = engine_parser().parse_args([])
+    parsed = vars(args)
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in FLAGLESS:
+            assert f.name not in parsed, f"{f.name} has no flag today"
+        else:
+            assert parsed[f.name] == field_default(f), f"--{f.name}: the parser's default is not the field's"
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+
+
+def test_the_parser_has_exactly_today_s_flags_in_field_order() -> None:
+    group = next(g for g in engine_parser()._action_groups if g.title == "engine")
+    actions = group._group_actions
+    assert {opt: a.dest for a in actions for opt in a.option_strings} == FLAGS
+    dests = [a.dest for a in actions]
+    assert dests == [f.name for f in dataclasses.fields(EngineArgs) if f.name not in FLAGLESS]
+    tp = next(a for a in actions if a.dest == "tensor_parallel_size")
+    assert tp.option_strings == ["--tensor-parallel-size", "-tp"]
+    helps = {a.dest: a.help for a in actions}
+    assert helps["load_format"] == "how to load weights; general plugins may add formats"
+    assert helps["seed"] is None
+
+
+def test_explicit_flags_parse() -> None:
+    args = engine_parser().parse_args([
+        "-tp", "2", "--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--enforce-eager",
+        "--dtype", "float16", "--max-model-len", "128", "--gpu-memory-utilization", "0.5",
+        "--hf-overrides", '{"architectures": ["MyLlama"]}', "--custom-ops", "+rms_norm, -silu_and_mul,",
+        "--load-format", "dummy", "--worker-cls", "pkg.mod.Worker",
+    ])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args == EngineArgs(
+        tensor_parallel_size=2, enable_prefix_caching=False, enable_chunked_prefill=False, enforce_eager=True,
+        dtype="float16", max_model_len=128, gpu_memory_utilization=0.5,
+        hf_overrides={"architectures": ["MyLlama"]}, custom_ops=["+rms_norm", "-silu_and_mul"],
+        load_format="dummy", worker_cls="pkg.mod.Worker",
+    )
+    assert engine_parser().parse_args(["--tensor-parallel-size", "4"]).tensor_parallel_size == 4
+
+
+@pytest.mark.parametrize("argv", [["--dtype", "int8"], ["--hf-overrides", "[1]"], ["--hf-overrides", "{"],
+                                  ["--max-num-seqs", "many"], ["--load-format", "nosuch"]])
+def test_a_bad_value_is_refused(argv) -> None:
+    with pytest.raises(argparse.ArgumentError):
+        engine_parser().parse_args(argv)
+
+
+def test_load_format_choices_are_read_when_the_parser_is_built(monkeypatch) -> None:
+    monkeypatch.setitem(WEIGHT_LOADERS, "test_format", lambda model, config, show_progress: "test")
+    assert engine_parser().parse_args(["--load-format", "test_format"]).load_format == "test_format"
+
+
+def test_platform_then_general_plugins_then_flags_then_the_platform_sees_the_parser(monkeypatch) -> None:
+    calls = []
+
+    def pre_register_and_update(parser=None):
+        calls.append(("pre_register_and_update", "--load-format" in parser._option_string_actions))
+
+    platform = SimpleNamespace(pre_register_and_update=pre_register_and_update)
+    monkeypatch.setattr(platforms, "_get_current_platform", lambda: calls.append(("platform",)) or platform)
+    monkeypatch.setattr(arg_utils, "load_general_plugins", lambda: calls.append(("general plugins",)))
+    engine_parser()
+    assert calls == [("platform",), ("general plugins",), ("pre_register_and_update", True)]

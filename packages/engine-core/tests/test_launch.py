@@ -1,0 +1,63 @@
+"""The launch plan: one builder for ``loom serve`` and ``loom.LLM``'s workers, and the server flags
+the front end parses back from the plan exactly as ``loom serve`` parsed them."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from types import SimpleNamespace
+
+import pytest
+from loom.config.server import ServerConfig
+from loom.engine.launch import build_plan
+from loom.ipc.messages import MESSAGES_VERSION
+from loom_supervisor import Plan
+
+
+def config(tp: int) -> SimpleNamespace:
+    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+
+
+def parse(argv: list[str]) -> ServerConfig:
+    return ServerConfig.from_cli_args(ServerConfig.add_cli_args(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_server_flags_survive_the_plan(monkeypatch) -> None:
+    monkeypatch.delenv("LOOM_API_KEY", raising=False)
+    server = parse(["--host", "0.0.0.0", "--port", "8123", "--grace-period", "2.5", "--stream-interval", "4",
+                    "--chat-template", "{{ messages }}", "--api-key", "sk-secret"])
+    plan = build_plan(config(2), server)
+    assert isinstance(plan, Plan) and plan.messages_version == MESSAGES_VERSION
+    frontend, engine_core, *workers = plan.processes
+    assert (frontend.role, engine_core.role) == ("frontend", "engine_core")
+    assert [(w.role, w.rank) for w in workers] == [("worker", 0), ("worker", 1)]
+    # the front end parses its argv with the same parser: the same config, the key from its environment
+    monkeypatch.setenv("LOOM_API_KEY", frontend.env["LOOM_API_KEY"])
+    assert parse(list(frontend.argv[3:])) == server
+    assert not any("sk-secret" in arg for p in plan.processes for arg in p.argv)
+    assert all("LOOM_API_KEY" not in p.env for p in plan.processes[1:])
+    assert plan.ready_url == "http://127.0.0.1:8123"
+    assert (plan.grace_period_s, plan.startup_timeout_s) == (2.5, 300.0)
+    assert pickle.loads(plan.config).parallel_config.tensor_parallel_size == 2
+
+
+def test_llm_workers_plan_has_the_bridge_and_no_server() -> None:
+    plan = build_plan(config(2), bridge_socket="/tmp/x.sock")
+    assert [(p.role, p.argv[-1]) for p in plan.processes[:1]] == [("engine_core", "loom.engine.bridge")]
+    assert plan.processes[0].env["LOOM_BRIDGE_SOCKET"] == "/tmp/x.sock"
+    assert [p.role for p in plan.processes[1:]] == ["worker", "worker"]
+    assert plan.ready_url is None and plan.messages_version == MESSAGES_VERSION
+    # every worker of one plan meets at the same rendezvous
+    assert len({p.env["LOOM_DIST_INIT_METHOD"] for p in plan.processes[1:]}) == 1
+
+
+def test_a_plan_has_a_server_or_a_bridge() -> None:
+    with pytest.raises(ValueError, match="either a server or a bridge"):
+        build_plan(config(1))
+    with pytest.raises(ValueError, match="either a server or a bridge"):
+        build_plan(config(1), ServerConfig(), bridge_socket="/tmp/x.sock")
+
+
+def test_stream_interval_must_be_positive() -> None:
+    with pytest.raises(SystemExit):
+        parse(["--stream-interval", "0"])
