@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from loom.layers.layernorm import LayerNorm, RMSNorm
-from loom.layers.rotary_embedding import get_rope
 from loom_plugin_api import load_general_plugins, set_current_config
+from loom_plugin_api.ops.layernorm import LayerNorm, RMSNorm
+from loom_plugin_api.ops.rotary_embedding import get_rope
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -95,8 +95,8 @@ def main(opt_dir: str, llama_dir: str) -> dict:
     # Stops 10-15 (in this process for now): build and run the models.
     from loom import LLM, SamplingParams
     from loom.attention import selector
-    from loom.layers.layernorm import LayerNorm
-    from loom.layers.rotary_embedding import RotaryEmbedding
+    from loom_plugin_api.ops.layernorm import LayerNorm
+    from loom_plugin_api.ops.rotary_embedding import RotaryEmbedding
 
     selector._cache_clear()
     llama_arch = "MyLlama" if use_plugin_models else "LlamaForCausalLM"

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from loom.forward_context import set_forward_context
 from loom.layers.attention import Attention
 from loom_plugin_api import AttentionMetadata
+from loom_plugin_api.context import set_forward_context
 
 
 class ModelRunnerHarness:

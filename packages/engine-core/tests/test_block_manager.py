@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from loom.engine.block_manager import BlockManager
 from loom.engine.request import Request
-from loom.sampling_params import SamplingParams
+from loom_plugin_api import SamplingParams
 
 BS = 4
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from loom.engine.detokenizer import IncrementalDetokenizer, decode_final
-from loom.sampling_params import SamplingParams
+from loom_plugin_api import SamplingParams
 
 CHARS = "abc xyz,.\n" + "é中文字🙂👍🏽ñ" + "Привет"
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom.ipc import codec, messages
-from loom.sampling_params import SamplingParams
+from loom_plugin_api import SamplingParams
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 INTS = st.one_of(INT64, st.integers(0, 2**64 - 1))  # msgpack's range: int64 and uint64

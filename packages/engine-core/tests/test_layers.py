@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from loom.distributed import parallel_state
 from loom.layers.activation import SiluAndMul, get_act_fn
-from loom.layers.layernorm import LayerNorm, RMSNorm
 from loom.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -16,8 +15,9 @@ from loom.layers.linear import (
     RowParallelLinear,
 )
 from loom.layers.logits_processor import LogitsProcessor
-from loom.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding, get_rope
 from loom.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from loom_plugin_api.ops.layernorm import LayerNorm, RMSNorm
+from loom_plugin_api.ops.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding, get_rope
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.llm_engine import EngineStepError, LLMEngine
 from loom.outputs import RequestOutput
-from loom.sampling_params import SamplingParams
+from loom_plugin_api import SamplingParams
 from loom_plugin_api.step import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 
 BS = 4

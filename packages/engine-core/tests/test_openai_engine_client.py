@@ -11,8 +11,7 @@ from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.errors import EngineDeadError, RequestFailedError
 from loom.engine.inproc import InprocAsyncLLM
 from loom.metrics import load_stat_loggers
-from loom.sampling_params import SamplingParams
-from loom_plugin_api import PluginError
+from loom_plugin_api import PluginError, SamplingParams
 from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
 
 TOKEN = 11  # never the EOS below, so max_tokens ends every request

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 from loom.layers.sampler import Sampler, SamplingMetadata
-from loom.sampling_params import SamplingParams
+from loom_plugin_api import SamplingParams
 
 V = 64
 EOS = 3

@@ -7,7 +7,7 @@ from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.block_manager import BlockManager
 from loom.engine.request import Request, RequestStatus
 from loom.engine.scheduler import Scheduler
-from loom.sampling_params import SamplingParams
+from loom_plugin_api import SamplingParams
 from loom_plugin_api.step import (
     ModelRunnerOutput,
     NewRequestData,

@@ -15,18 +15,17 @@ import torch
 from loom.engine.arg_utils import EngineArgs
 from loom.layers.activation import SiluAndMul
 from loom.layers.attention import Attention
-from loom.layers.layernorm import RMSNorm
-from loom.layers.rotary_embedding import get_rope
 from loom.model_loader import get_model
-from loom.sampling_params import SamplingParams
 from loom.worker.input_batch import prepare_inputs
-from loom.worker.model_runner import ModelRunner
 from loom.worker.services import EngineWorkerServices
 from loom_platform_cuda import kernels
 from loom_platform_cuda.attention import TritonAttentionBackend, TritonAttentionImpl
 from loom_platform_cuda.model_runner import CudaModelRunner, EagerGraph
 from loom_platform_cuda.platform import CudaPlatform
-from loom_plugin_api import CustomOp, PlatformEnum
+from loom_plugin_api import CustomOp, PlatformEnum, SamplingParams
+from loom_plugin_api.model_runner import ModelRunner
+from loom_plugin_api.ops.layernorm import RMSNorm
+from loom_plugin_api.ops.rotary_embedding import get_rope
 from loom_plugin_api.step import NewRequestData, ScheduledRequest, SchedulerOutput
 from tiny_models import build_tiny_model
 

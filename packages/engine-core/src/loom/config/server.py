@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+
+from .cli import add_flags, flag, from_args
 
 
 def positive_int(text: str) -> int:
@@ -25,35 +26,29 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _opt(default: Any, help: str | None = None, **kwargs: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kwargs})
-
-
 @dataclass(slots=True, kw_only=True)
 class ServerConfig:
-    host: str = _opt("127.0.0.1", "address to listen on (default 127.0.0.1)")
-    port: int = _opt(8000, type=int)
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on /v1/* (default: $LOOM_API_KEY)")
-    startup_timeout: float = _opt(300.0, "seconds each start-up phase of each process may take", type=float)
-    grace_period: float = _opt(10.0, "seconds in-flight requests get to finish on SIGINT/SIGTERM", type=float)
-    chat_template: str | None = _opt(
-        None, "chat template for /v1/chat/completions instead of the tokenizer's: the path of a "
-              "Jinja file, or the template itself")
-    stream_interval: int = _opt(
-        1, "tokens per streamed event at least (default 1: every token); larger values send fewer, "
-           "larger SSE events when many streams share a small machine", type=positive_int)
+    host: str = flag("127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    port: int = flag(8000, type=int)
+    api_key: str | None = flag(default_factory=lambda: os.environ.get("LOOM_API_KEY"),
+                               help="require 'Authorization: Bearer KEY' on /v1/* (default: $LOOM_API_KEY)")
+    startup_timeout: float = flag(300.0, type=float, help="seconds each start-up phase of each process may take")
+    grace_period: float = flag(10.0, type=float, help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    chat_template: str | None = flag(
+        None, help="chat template for /v1/chat/completions instead of the tokenizer's: the path of a "
+                   "Jinja file, or the template itself")
+    stream_interval: int = flag(
+        1, type=positive_int, help="tokens per streamed event at least (default 1: every token); larger "
+                                   "values send fewer, larger SSE events when many streams share a small machine")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        g = parser.add_argument_group("server")
-        for f in dataclasses.fields(cls):
-            default = os.environ.get("LOOM_API_KEY") if f.name == "api_key" else f.default
-            g.add_argument(f"--{f.name.replace('_', '-')}", default=default, **f.metadata)
+        add_flags(parser.add_argument_group("server"), cls)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return from_args(cls, args)
 
     def to_argv(self) -> list[str]:
         """The flags that give a parser of ``add_cli_args`` this config (the API key left out)."""

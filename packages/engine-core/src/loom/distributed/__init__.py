@@ -2,26 +2,5 @@
 
 from __future__ import annotations
 
-from .parallel_state import (
-    TensorParallelGroup,
-    destroy_model_parallel,
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-    get_tp_group,
-    initialize_model_parallel,
-    model_parallel_is_initialized,
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
-
-__all__ = [
-    "TensorParallelGroup",
-    "destroy_model_parallel",
-    "get_tensor_model_parallel_rank",
-    "get_tensor_model_parallel_world_size",
-    "get_tp_group",
-    "initialize_model_parallel",
-    "model_parallel_is_initialized",
-    "tensor_model_parallel_all_gather",
-    "tensor_model_parallel_all_reduce",
-]
+from .parallel_state import *  # noqa: F403 - the package's names are parallel_state's
+from .parallel_state import __all__  # noqa: F401

@@ -8,10 +8,8 @@ builds the parser from the fields, so a flag's default cannot drift from the fie
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from loom_plugin_api import load_general_plugins
@@ -27,14 +25,11 @@ from ..config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from ..config.cli import add_flags, flag, from_args
 from ..logger import init_logger
 from ..model_loader import load_format_choices
 
 logger = init_logger(__name__)
-
-_CLI = "cli"
-"""Metadata key of a field that has a flag: what :func:`_flag` was given besides the default."""
-
 
 def _json_object(text: str) -> dict[str, Any]:
     try:
@@ -50,79 +45,51 @@ def _custom_ops(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
-def _flag(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
-          flag: str | None = None, aliases: tuple[str, ...] = (),
-          choices: list[str] | Callable[[], list[str]] | None = None, **options: Any) -> Any:
-    """A field of :class:`EngineArgs` with a command-line flag; the field's default is the flag's.
-
-    ``flag`` defaults to ``--field-name``; ``aliases`` are further option strings (``-tp``);
-    ``choices`` may be a callable, called each time a parser is built (after the general
-    plugins ran, so that they can add choices); ``options`` (``help``, ``type``, ``action``)
-    go to ``add_argument`` as they are.
-    """
-    cli = {"flag": flag, "aliases": aliases, **options}
-    if choices is not None:  # store_true and store_false actions take no choices
-        cli["choices"] = choices
-    return field(default=default, default_factory=default_factory, metadata={_CLI: cli})
-
-
 @dataclass(kw_only=True)
 class EngineArgs:
     model: str | None = None  # positional: the command adds it, add_cli_args does not
-    tokenizer: str | None = _flag(None, help="tokenizer directory (default: the model's)")
-    served_model_name: str | None = _flag(None)
-    dtype: str = _flag("auto", choices=["auto", "float32", "bfloat16", "float16"])
-    max_model_len: int | None = _flag(None, type=int)
-    hf_overrides: dict[str, Any] = _flag(
+    tokenizer: str | None = flag(None, help="tokenizer directory (default: the model's)")
+    served_model_name: str | None = flag(None)
+    dtype: str = flag("auto", choices=["auto", "float32", "bfloat16", "float16"])
+    max_model_len: int | None = flag(None, type=int)
+    hf_overrides: dict[str, Any] = flag(
         default_factory=dict, type=_json_object,
         help='JSON object set on the HF config, e.g. \'{"architectures": ["MyLlama"]}\'')
-    seed: int | None = _flag(0, type=int)
-    tensor_parallel_size: int = _flag(1, aliases=("-tp",), type=int)
-    block_size: int | None = _flag(None, type=int)
-    enable_prefix_caching: bool = _flag(True, flag="--no-enable-prefix-caching", action="store_false")
-    kv_cache_memory_bytes: int | None = _flag(None, type=int)
-    gpu_memory_utilization: float = _flag(
+    seed: int | None = flag(0, type=int)
+    tensor_parallel_size: int = flag(1, aliases=("-tp",), type=int)
+    block_size: int | None = flag(None, type=int)
+    enable_prefix_caching: bool = flag(True, flag="--no-enable-prefix-caching", action="store_false")
+    kv_cache_memory_bytes: int | None = flag(None, type=int)
+    gpu_memory_utilization: float = flag(
         0.9, type=float, help="share of GPU memory the model and its KV cache may use (GPU platforms)")
-    enforce_eager: bool = _flag(
+    enforce_eager: bool = flag(
         False, action="store_true", help="do not record decode steps as CUDA graphs (GPU platforms)")
-    max_num_seqs: int = _flag(256, type=int)
-    max_num_batched_tokens: int | None = _flag(None, type=int)
-    enable_chunked_prefill: bool = _flag(True, flag="--no-enable-chunked-prefill", action="store_false")
-    custom_ops: list[str] = _flag(
+    max_num_seqs: int = flag(256, type=int)
+    max_num_batched_tokens: int | None = flag(None, type=int)
+    enable_chunked_prefill: bool = flag(True, flag="--no-enable-chunked-prefill", action="store_false")
+    custom_ops: list[str] = flag(
         default_factory=list, type=_custom_ops, help="comma-separated: all, none, +name, -name")
-    load_format: str = _flag(
+    load_format: str = flag(
         "auto", choices=load_format_choices, help="how to load weights; general plugins may add formats")
-    worker_cls: str = _flag("auto", help="qualified name of the worker class")
+    worker_cls: str = flag("auto", help="qualified name of the worker class")
     fail_on_environ_validation: bool = False  # no flag: set as a keyword of EngineArgs(...) or LLM(...)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add the engine flags to ``parser``, one per field made with :func:`_flag`, in field order.
+        """Add the engine flags to ``parser``, one per field made with :func:`~loom.config.cli.flag`.
 
         The general plugins run first (once per process) so a plugin can extend what the
         flags accept; then the platform sees the parser (``pre_register_and_update``).
         """
         platform = platforms.current_platform  # resolved first: fixed before any general plugin runs
         load_general_plugins()
-        g = parser.add_argument_group("engine")
-        for f in dataclasses.fields(EngineArgs):
-            cli = f.metadata.get(_CLI)
-            if cli is None:
-                continue  # model (positional, added by the command) and fail_on_environ_validation
-            options = dict(cli)
-            flag = options.pop("flag") or "--" + f.name.replace("_", "-")
-            aliases = options.pop("aliases")
-            if callable(options.get("choices")):
-                options["choices"] = options["choices"]()  # now: the general plugins may have added some
-            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-            g.add_argument(flag, *aliases, dest=f.name, default=default, **options)
+        add_flags(parser.add_argument_group("engine"), EngineArgs)
         platform.pre_register_and_update(parser)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        return from_args(cls, args)
 
     def create_engine_config(self) -> LoomConfig:
         """Build the ``LoomConfig`` (start-up stops 5-7), in the process that parsed the args."""

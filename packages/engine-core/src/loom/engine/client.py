@@ -1,16 +1,9 @@
 """``EngineClient``: the engine as the front end sees it, wherever the engine runs.
 
-Requests go in, a stream of deltas comes out per request. One class serves both ways of
-running the engine; only the connection to the engine loop differs (:class:`CoreConnection`):
-
-* :class:`~loom.engine.core_client.ProcCoreConnection`: the engine-core process of
-  ``loom serve``, reached through the supervisor (ADD_REQUEST/ABORT frames out, OUTPUTS in).
-* :class:`~loom.engine.inproc.InprocCoreConnection`: the engine loop on a thread of this
-  process (tests, serving without the process model).
-
-The client owns what both share: the registry of request streams, the dead-engine error
-(every stream in flight and every later request end with it), and the stat loggers
-(``record`` on each report, ``log()`` every ``log_stats_interval`` seconds of activity).
+One class for both ways of running the engine; only its :class:`CoreConnection` differs
+(``core_client.ProcCoreConnection`` to the engine-core process, ``inproc.InprocCoreConnection``
+to an engine thread here). It owns the request streams, the dead-engine error and the stat
+loggers (``record`` per report, ``log()`` per ``log_stats_interval`` of activity).
 
 Contract of ``generate``: it yields ``RequestOutput`` deltas (``outputs[i].text``,
 ``token_ids`` and ``logprobs`` are the new parts of completion ``index``; the last output has
@@ -46,31 +39,15 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["CoreConnection", "CoreEvents", "EngineClient", "EngineDeadError", "EngineError", "RequestFailedError"]
-
-
-class CoreEvents(abc.ABC):
-    """What a connection reports to its client (from any thread)."""
-
-    @abc.abstractmethod
-    def on_outputs(self, outputs: EngineOutputs) -> None: ...
-
-    @abc.abstractmethod
-    def on_engine_ready(self) -> None: ...
-
-    @abc.abstractmethod
-    def on_engine_dead(self, message: str, *, expected: bool = False) -> None:
-        """The engine is gone (the first cause wins); ``expected``: it was shut down (INFO, not ERROR)."""
-
-    @abc.abstractmethod
-    def on_shutdown_requested(self) -> None: ...
+__all__ = ["CoreConnection", "EngineClient", "EngineDeadError", "EngineError", "RequestFailedError"]
 
 
 class CoreConnection(abc.ABC):
-    """How requests reach an engine loop. ``start`` is called once, with the client to report to."""
+    """How requests reach an engine loop. ``start(client)`` is called once; from then on the
+    connection reports to the client's ``on_*`` methods, from its own thread."""
 
     @abc.abstractmethod
-    def start(self, events: CoreEvents) -> None: ...
+    def start(self, client: EngineClient) -> None: ...
 
     @abc.abstractmethod
     def add_request(self, request: AddRequest) -> None: ...
@@ -89,9 +66,9 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
 
-class EngineClient(CoreEvents):
-    """The front end's engine. Its methods run on the event loop; the connection's thread
-    reports through the ``CoreEvents`` methods."""
+class EngineClient:
+    """The front end's engine. Its methods run on the event loop, but ``on_*``, which its
+    connection calls from its own thread."""
 
     stream_interval: int = 1
     """Tokens per streamed delta at least (``--stream-interval``); the last delta may hold fewer."""
@@ -225,7 +202,7 @@ class EngineClient(CoreEvents):
             final = RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], outputs=[], finished=True)
             _put_all([(stream, final)])
 
-    # ---- CoreEvents: the connection's thread ------------------------------------------------
+    # ---- reports from the connection's thread --------------------------------------------
     def on_outputs(self, outputs: EngineOutputs) -> None:
         if outputs.stats is not None:
             self._record_stats(outputs.stats)
@@ -250,6 +227,7 @@ class EngineClient(CoreEvents):
             self._on_engine_ready()
 
     def on_engine_dead(self, message: str, *, expected: bool = False) -> None:
+        """The engine is gone (the first cause wins); ``expected``: it was shut down (INFO, not ERROR)."""
         with self._lock:
             if self._dead_error is not None:
                 return  # the first cause is the one every request hears

@@ -14,7 +14,7 @@ import threading
 from ..ipc.channel import Channel
 from ..ipc.messages import AbortRequests, AddRequest, EngineOutputs, EngineReady, Kind, Shutdown
 from ..logger import init_logger
-from .client import CoreConnection, CoreEvents
+from .client import CoreConnection, EngineClient
 
 logger = init_logger(__name__)
 
@@ -22,11 +22,11 @@ logger = init_logger(__name__)
 class ProcCoreConnection(CoreConnection):
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
-        self._events: CoreEvents | None = None
+        self._client: EngineClient | None = None
         self._thread = threading.Thread(target=self._read, name="loom-core-client", daemon=True)
 
-    def start(self, events: CoreEvents) -> None:
-        self._events = events
+    def start(self, client: EngineClient) -> None:
+        self._client = client
         self._thread.start()
 
     def add_request(self, request: AddRequest) -> None:
@@ -39,8 +39,8 @@ class ProcCoreConnection(CoreConnection):
         """Nothing to stop here: the supervisor stops the engine-core process after the front end."""
 
     def _read(self) -> None:
-        events = self._events
-        assert events is not None
+        client = self._client
+        assert client is not None
         try:
             while True:
                 msg = self.channel.recv()
@@ -48,14 +48,14 @@ class ProcCoreConnection(CoreConnection):
                     continue
                 body = msg.body
                 if isinstance(body, EngineOutputs):
-                    events.on_outputs(body)
+                    client.on_outputs(body)
                 elif isinstance(body, EngineReady):
-                    events.on_engine_ready()
+                    client.on_engine_ready()
                 elif msg.kind is Kind.PEER_DIED:
-                    events.on_engine_dead(body.describe())
+                    client.on_engine_dead(body.describe())
                 elif isinstance(body, Shutdown):
-                    events.on_shutdown_requested()
+                    client.on_shutdown_requested()
                 else:
                     logger.warning("Front end ignored a %s frame from %s", msg.kind.value, msg.src)
         except (EOFError, OSError) as e:
-            events.on_engine_dead(f"the supervisor connection closed ({type(e).__name__}: {e})")
+            client.on_engine_dead(f"the supervisor connection closed ({type(e).__name__}: {e})")

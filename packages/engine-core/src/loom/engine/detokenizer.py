@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from loom_plugin_api import SamplingParams
+
 from ..logger import init_logger
-from ..sampling_params import SamplingParams
 
 try:
     from tokenizers.decoders import DecodeStream

@@ -20,7 +20,7 @@ from .. import envs
 from ..ipc.messages import AbortRequests, AddRequest
 from ..logger import init_logger
 from ..transformers_utils.tokenizer import get_tokenizer
-from .client import CoreConnection, CoreEvents, EngineClient
+from .client import CoreConnection, EngineClient
 from .core import Command, EngineCore
 from .llm_engine import LLMEngine
 
@@ -39,13 +39,13 @@ class InprocCoreConnection(CoreConnection):
         self._cond = threading.Condition()
         self._commands: list[Command] = []
         self._stopping = False
-        self._events: CoreEvents | None = None
+        self._client: EngineClient | None = None
         self._thread = threading.Thread(target=self._run, name="loom-engine", daemon=True)
 
-    def start(self, events: CoreEvents) -> None:
-        self._events = events
+    def start(self, client: EngineClient) -> None:
+        self._client = client
         self._thread.start()
-        events.on_engine_ready()
+        client.on_engine_ready()
 
     def add_request(self, request: AddRequest) -> None:
         self._push(request)
@@ -63,8 +63,8 @@ class InprocCoreConnection(CoreConnection):
             self._stopping = True
             self._cond.notify()
         await asyncio.to_thread(self._thread.join, 30)
-        assert self._events is not None
-        self._events.on_engine_dead(f"{self.name} was shut down", expected=True)
+        assert self._client is not None
+        self._client.on_engine_dead(f"{self.name} was shut down", expected=True)
         self.core.engine.shutdown()
 
     # ---- the engine thread: the Inbox of EngineCore.run ----------------------------------
@@ -78,12 +78,12 @@ class InprocCoreConnection(CoreConnection):
         return commands
 
     def _run(self) -> None:
-        assert self._events is not None
+        assert self._client is not None
         try:
-            self.core.run(self, self._events.on_outputs)
+            self.core.run(self, self._client.on_outputs)
         except BaseException as e:  # the engine cannot go on; say so to every request
             logger.exception("The engine thread died")
-            self._events.on_engine_dead(f"{self.name} died: {type(e).__name__}: {e}")
+            self._client.on_engine_dead(f"{self.name} died: {type(e).__name__}: {e}")
 
 
 class InprocAsyncLLM(EngineClient):

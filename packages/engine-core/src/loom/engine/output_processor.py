@@ -1,16 +1,9 @@
 """Output processing: the engine's sampled tokens become what callers read.
 
-The ``OutputProcessor`` owns the user's view of every request: the ``n`` child requests a
-prompt fans out into, detokenizing (incrementally when streaming or watching stop strings,
-once at the end otherwise), stop-string checks, logprobs converted to ``Logprob`` entries
-with their token text, and the ``RequestOutput`` of each step.
-
-Outputs come in two kinds, chosen per request:
-
-* final only (the default): one RequestOutput when all of its ``n`` completions end.
-* ``stream=True``: every step that gives a completion a token yields a RequestOutput
-  holding deltas (the new text, token ids and logprobs) of the completions that moved;
-  the last one has ``finished=True``. This is what an OpenAI streaming response sends.
+The ``OutputProcessor`` owns the user's view of every request: its ``n`` children, their
+text (decoded incrementally when streaming or watching stop strings, else once at the end),
+logprob entries, and per request either one final RequestOutput when all ``n`` end, or
+(``stream=True``) a delta of the completions that moved at each step, the last ``finished``.
 """
 
 from __future__ import annotations

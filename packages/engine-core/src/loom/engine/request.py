@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import enum
 
+from loom_plugin_api import SamplingParams
 from loom_plugin_api.step import PromptLogprobs, SampledLogprobs
-
-from ..sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

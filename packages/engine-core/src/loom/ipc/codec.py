@@ -30,25 +30,29 @@ def _is_plain(fn: _Fn) -> bool:
     return fn is _identity
 
 
+def _containers(tp: Any, compile: Callable[[Any], _Fn]) -> _Fn:
+    """The (de)coder of an optional, a list or a dict: the same shape both ways."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            fn = compile(inner[0])
+            return _identity if _is_plain(fn) else (lambda x: None if x is None else fn(x))
+    elif origin is list:
+        fn = compile(args[0])
+        return _identity if _is_plain(fn) else (lambda xs: [fn(x) for x in xs])
+    elif origin is dict:
+        fn = compile(args[1])
+        return _identity if _is_plain(fn) else (lambda d: {k: fn(v) for k, v in d.items()})
+    return _identity
+
+
 @functools.cache
 def _encoder(tp: Any) -> _Fn:
     if dataclasses.is_dataclass(tp):
         fields = [(f.name, _encoder(_hints(tp)[f.name])) for f in _fields(tp)]
         return lambda obj: [enc(getattr(obj, name)) for name, enc in fields]
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(inner) == 1:
-            enc = _encoder(inner[0])
-            return _identity if _is_plain(enc) else (lambda x: None if x is None else enc(x))
-        return _identity
-    if origin is list:
-        enc = _encoder(typing.get_args(tp)[0])
-        return _identity if _is_plain(enc) else (lambda xs: [enc(x) for x in xs])
-    if origin is dict:
-        enc = _encoder(typing.get_args(tp)[1])
-        return _identity if _is_plain(enc) else (lambda d: {k: enc(v) for k, v in d.items()})
-    return _identity
+    return _containers(tp, _encoder)
 
 
 @functools.cache
@@ -63,20 +67,7 @@ def _decoder(tp: Any) -> _Fn:
             return tp(**{name: dec(v) for (name, dec), v in zip(fields, data)})
 
         return decode_struct
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(inner) == 1:
-            dec = _decoder(inner[0])
-            return _identity if _is_plain(dec) else (lambda x: None if x is None else dec(x))
-        return _identity
-    if origin is list:
-        dec = _decoder(typing.get_args(tp)[0])
-        return _identity if _is_plain(dec) else (lambda xs: [dec(x) for x in xs])
-    if origin is dict:
-        dec = _decoder(typing.get_args(tp)[1])
-        return _identity if _is_plain(dec) else (lambda d: {k: dec(v) for k, v in d.items()})
-    return _identity
+    return _containers(tp, _decoder)
 
 
 def to_wire(obj: Any) -> Any:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from loom_plugin_api import get_current_config
+from loom_plugin_api.context import get_forward_context
 
 from ..attention.selector import get_attn_backend
-from ..forward_context import get_forward_context
 
 
 class Attention(nn.Module):

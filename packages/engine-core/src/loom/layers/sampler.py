@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from loom_plugin_api import SamplingParams
 from loom_plugin_api.step import SampledLogprobs
-
-from ..sampling_params import SamplingParams
 
 
 @dataclass(slots=True, kw_only=True)

@@ -6,21 +6,20 @@ config when it has one, tied or untied embeddings. Weights load from HF names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from loom_plugin_api.ops.layernorm import RMSNorm
+from loom_plugin_api.ops.rotary_embedding import get_rope
 
 from ..distributed import get_tensor_model_parallel_world_size
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention
-from ..layers.layernorm import RMSNorm
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.logits_processor import LogitsProcessor
-from ..layers.rotary_embedding import get_rope
 from ..layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from .utils import StackedParam, load_weights_stacked, maybe_prefix
+from .utils import CausalLMBase, StackedParam, maybe_prefix
 
 if TYPE_CHECKING:
     from ..config import LoomConfig
@@ -135,7 +134,7 @@ class LlamaModel(nn.Module):
         return hidden_states  # (T, hidden)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMBase):
     """``forward(input_ids (T,), positions (T,)) -> (T, hidden)``; ``compute_logits`` -> (N, vocab)."""
 
     supports_tensor_parallel = True
@@ -160,20 +159,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(hf_config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.logits_processor(self.lm_head, hidden_states)  # (N, vocab)
-
-    def compute_greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``compute_logits(h).argmax(-1)`` without the (N, vocab) logits; (N,) int64."""
-        return self.logits_processor.greedy_token_ids(self.lm_head, hidden_states)
-
     def _skip_weight(self, name: str) -> bool:
         if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name or "rotary_emb.sin_cached" in name:
             return True
-        return self.tie_word_embeddings and name.startswith("lm_head.")
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights_stacked(self, weights, self.stacked_params_mapping, skip=self._skip_weight)
+        return super()._skip_weight(name)

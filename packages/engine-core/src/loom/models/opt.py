@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+from loom_plugin_api.ops.layernorm import LayerNorm
 
 from ..layers.activation import get_act_fn
 from ..layers.attention import Attention
-from ..layers.layernorm import LayerNorm
 from ..layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..layers.logits_processor import LogitsProcessor
 from ..layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from .utils import StackedParam, load_weights_stacked, maybe_prefix
+from .utils import CausalLMBase, StackedParam, maybe_prefix
 
 if TYPE_CHECKING:
     from ..config import LoomConfig
@@ -127,7 +126,7 @@ class OPTModel(nn.Module):
         return self.decoder(input_ids, positions)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(CausalLMBase):
     """``forward(input_ids (T,), positions (T,)) -> (T, proj_dim)``; ``compute_logits`` -> (N, vocab)."""
 
     supports_tensor_parallel = True
@@ -151,24 +150,6 @@ class OPTForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(hf_config.vocab_size, proj_dim, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(hf_config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.logits_processor(self.lm_head, hidden_states)  # (N, vocab)
-
-    def compute_greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``compute_logits(h).argmax(-1)`` without the (N, vocab) logits; (N,) int64."""
-        return self.logits_processor.greedy_token_ids(self.lm_head, hidden_states)
-
-    @staticmethod
-    def _rename(name: str) -> str:
+    def _rename(self, name: str) -> str:
         # facebook/opt-* checkpoints name the decoder at the top level.
         return "model." + name if name.startswith("decoder.") else name
-
-    def _skip_weight(self, name: str) -> bool:
-        return self.tie_word_embeddings and name.startswith("lm_head.")
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_weights_stacked(self, weights, self.stacked_params_mapping,
-                                    skip=self._skip_weight, rename=self._rename)

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..model_loader.weight_utils import default_weight_loader
 
-__all__ = ["StackedParam", "load_weights_stacked", "maybe_prefix"]
+__all__ = ["CausalLMBase", "StackedParam", "load_weights_stacked", "maybe_prefix"]
 
 StackedParam = tuple[str, str, Any]
 """``(param_name, checkpoint_name, shard_id)``: e.g. ``(".qkv_proj", ".q_proj", "q")``."""
@@ -69,3 +69,34 @@ def _param(params: dict[str, nn.Parameter], target: str, name: str, model: nn.Mo
             "the checkpoint does not belong to this architecture (check 'architectures' in config.json)"
         )
     return param
+
+
+class CausalLMBase(nn.Module):
+    """What the causal LMs share: ``forward`` through ``self.model``, the LM head through
+    ``self.logits_processor``, and HF-named weights through ``stacked_params_mapping``."""
+
+    stacked_params_mapping: list[StackedParam] = []
+    model: nn.Module
+    lm_head: nn.Module
+    logits_processor: Any
+    tie_word_embeddings: bool
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)  # (N, vocab)
+
+    def compute_greedy_token_ids(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``compute_logits(h).argmax(-1)`` without the (N, vocab) logits; (N,) int64."""
+        return self.logits_processor.greedy_token_ids(self.lm_head, hidden_states)
+
+    def _rename(self, name: str) -> str:
+        return name
+
+    def _skip_weight(self, name: str) -> bool:
+        return self.tie_word_embeddings and name.startswith("lm_head.")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_weights_stacked(self, weights, self.stacked_params_mapping, skip=self._skip_weight,
+                                    rename=self._rename)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from loom_plugin_api import SamplingParams
+
 from ...engine.arg_utils import EngineArgs
-from ...sampling_params import SamplingParams
 from ..chat_utils import load_chat_template
 from ..llm import LLM
 

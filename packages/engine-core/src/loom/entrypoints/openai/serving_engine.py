@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
+from loom_plugin_api import SamplingParams
 
 from ...engine.client import EngineClient
 from ...engine.errors import EngineDeadError, EngineError
 from ...logger import init_logger
 from ...metrics import ServerMetrics
 from ...outputs import CompletionOutput, Logprob, RequestOutput
-from ...sampling_params import SamplingParams
 from .protocol import ErrorInfo, ErrorResponse, _SamplingRequest
 
 logger = init_logger(__name__)
