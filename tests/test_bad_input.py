@@ -127,9 +127,21 @@ def test_failed_step_leaves_llm_usable(tiny_llama, monkeypatch):
     runner = llm.llm_engine.executor.worker.model_runner
     original = runner.execute_model
     monkeypatch.setattr(runner, "execute_model", lambda so: (_ for _ in ()).throw(RuntimeError("boom")))
-    with pytest.raises(EngineStepError, match="boom"):
+    with pytest.raises(EngineStepError, match="boom") as failed:
         llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [1, 2, 4]}], SamplingParams(max_tokens=2))
+    assert isinstance(failed.value.__cause__, RuntimeError)  # the model's own error and traceback, kept
     monkeypatch.setattr(runner, "execute_model", original)
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_llm_shutdown_frees_the_model(tiny_llama):
+    import gc
+    import weakref
+
+    llm = LLM(str(tiny_llama), max_model_len=64)
+    model = weakref.ref(llm.llm_engine.executor.worker.model_runner.model)
+    llm.shutdown()
+    gc.collect()
+    assert model() is None, "the model (and its KV cache) outlived LLM.shutdown()"

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom.ipc import codec, messages
 from loom_plugin_api import SamplingParams
+from loom_plugin_api.step import ModelRunnerOutput
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 INTS = st.one_of(INT64, st.integers(0, 2**64 - 1))  # msgpack's range: int64 and uint64
@@ -159,3 +160,42 @@ def test_a_body_of_the_wrong_shape_is_an_error_naming_the_struct() -> None:
         messages.decode_body(messages.Kind.ENGINE_READY, msgpack.packb([1, 2, 3]))
     with pytest.raises(ValueError, match="unknown message kind 'NOPE'"):
         messages.decode_body("NOPE", wire)
+
+
+def test_a_subclass_of_a_message_travels_as_its_base() -> None:
+    class PlatformOutput(ModelRunnerOutput):
+        pass
+
+    out = PlatformOutput(req_ids=["a"], sampled_token_ids=[3])
+    assert messages.kind_of(out) is messages.Kind.MODEL_OUTPUT
+    with pytest.raises(TypeError, match="dict is not a message type"):
+        messages.kind_of({})
+
+
+class _Frames:
+    """A connection that hands the channel prepared frames."""
+
+    def __init__(self, frames: list) -> None:
+        self.frames = frames
+
+    def recv(self, timeout: float | None = None):
+        return self.frames.pop(0) if self.frames else None
+
+
+def test_a_peer_died_report_that_does_not_decode_still_says_a_process_died() -> None:
+    from loom.ipc.channel import Channel
+    from loom_supervisor import client
+
+    good = msgpack.packb({"role": "worker", "rank": 1, "pid": 7, "exit_code": None, "signal": "SIGKILL",
+                          "phase": "running", "reason": "", "stderr_tail": ["boom"]})
+    channel = Channel(_Frames([
+        client.Frame(1, "supervisor", "frontend", "PEER_DIED", good),
+        client.Frame(1, "supervisor", "frontend", "PEER_DIED", b"\xc1"),  # not msgpack
+        client.Frame(1, "supervisor", "frontend", "NOPE", b""),  # unknown kind: dropped
+        client.Frame(1, "engine_core", "frontend", "ENGINE_READY", messages.encode(
+            messages.EngineReady(num_blocks=4, block_size=16))),
+    ]), "frontend")
+    first, second, third = channel.recv(0), channel.recv(0), channel.recv(0)
+    assert first.kind is messages.Kind.PEER_DIED and first.body.describe().startswith("worker:1 (pid 7) died")
+    assert second.kind is messages.Kind.PEER_DIED and second.body is None
+    assert isinstance(third.body, messages.EngineReady) and channel.recv(0) is None

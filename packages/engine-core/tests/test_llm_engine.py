@@ -301,3 +301,22 @@ def test_failed_step_aborts_its_requests_and_the_engine_goes_on():
     assert engine.scheduler.block_manager.cached == {}
     outs = generate(engine, [prompts[2]], params)
     assert token_ids(outs) == token_ids([reference])
+
+
+def test_an_add_the_scheduler_refuses_leaves_nothing_behind(monkeypatch):
+    engine = make_engine()
+    added = []
+
+    def refuse_second(req):
+        if added:
+            raise RuntimeError("scheduler is full")
+        added.append(req.request_id)
+        real_add(req)
+
+    real_add = engine.scheduler.add_request
+    monkeypatch.setattr(engine.scheduler, "add_request", refuse_second)
+    with pytest.raises(RuntimeError, match="scheduler is full"):
+        engine.add_request("r", None, [1, 2, 3], SamplingParams(n=2, max_tokens=2))
+    assert added == ["r_0"]  # one child made it in before the refusal
+    assert not engine.has_unfinished_requests() and not engine.scheduler.requests
+    assert engine.block_manager.usage == 0

@@ -20,19 +20,16 @@ from __future__ import annotations
 import difflib
 import importlib.metadata
 import inspect
-from typing import Any
-
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.specifiers import SpecifierSet
-from packaging.utils import canonicalize_name
-from packaging.version import Version
+from typing import TYPE_CHECKING, Any
 
 from ._qualname import resolve_obj_by_qualname
-from .attention import AttentionBackend, AttentionSelectorConfig
-from .communicator import DeviceCommunicatorBase
 from .errors import PlatformError
 from .platform import Platform
-from .worker import WorkerBase
+
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
+
+    from .attention import AttentionSelectorConfig
 
 __all__ = [
     "CONTRACT_DISTRIBUTION",
@@ -62,6 +59,10 @@ def installed_contract_version() -> str:
 def contract_range(dist: importlib.metadata.Distribution) -> SpecifierSet | None:
     """The range of ``loom-plugin-api`` that ``dist`` requires (its ``Requires-Dist``), or None
     when it declares no such requirement. Requirements of extras are not the plugin's."""
+    # lazy: packaging costs start-up time; only a plugin that declares a contract range needs it
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
     found: SpecifierSet | None = None
     for text in dist.requires or ():
         try:
@@ -79,6 +80,9 @@ def contract_range(dist: importlib.metadata.Distribution) -> SpecifierSet | None
 def contract_mismatch(plugin: str, dist: importlib.metadata.Distribution) -> str | None:
     """One line saying why ``plugin`` (of distribution ``dist``) cannot run on the installed
     contract, or None when its range includes it (or it declares none)."""
+    # lazy: packaging costs start-up time; only a plugin that declares a contract range needs it
+    from packaging.version import Version
+
     spec = contract_range(dist)
     if spec is None:
         return None
@@ -221,7 +225,10 @@ def _check_subclass(qualname: Any, base: type, where: str) -> str | None:
 
 
 def _representative_selector() -> AttentionSelectorConfig:
-    import torch  # lazy: a torch dtype is part of the selector; only this check needs torch
+    import torch  # a torch dtype is part of the selector; only this check needs torch
+
+    # lazy: with torch, for the check below
+    from .attention import AttentionSelectorConfig
 
     return AttentionSelectorConfig(head_size=64, dtype=torch.float32, block_size=16)
 
@@ -229,6 +236,10 @@ def _representative_selector() -> AttentionSelectorConfig:
 def _returned_name_errors(
     cls: type[Platform], plugin: str, selector: AttentionSelectorConfig | None
 ) -> list[str]:
+    # lazy: these import torch-typed modules that only the check below needs
+    from .attention import AttentionBackend
+    from .communicator import DeviceCommunicatorBase
+
     attn_hook = f"{cls.__name__}.get_attn_backend_cls(None, ...)"
     comm_hook = f"{cls.__name__}.get_device_communicator_cls()"
     errors = []
@@ -291,6 +302,9 @@ def validate_worker_cls(
     """Check the ``worker_cls`` left in the config: it must import and subclass
     ``loom_plugin_api.WorkerBase``. ``chosen_by_user``: the user set it (``--worker-cls``), not
     the platform's ``check_and_update_config``. Raises :class:`PlatformError`."""
+    # lazy: these import torch-typed modules that only the check below needs
+    from .worker import WorkerBase
+
     if chosen_by_user:
         where = "--worker-cls (parallel_config.worker_cls)"
     else:

@@ -56,7 +56,7 @@ class ServerConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name != "api_key" and value is not None:
-                argv += [f"--{f.name.replace('_', '-')}", str(value)]
+                argv.append(f"--{f.name.replace('_', '-')}={value}")  # one word: a value may start with "-"
         return argv
 
     @property

@@ -98,6 +98,7 @@ class EngineClient:
         self._dead_error: str | None = None
         self._stats: EngineStats | None = None
         self._stats_seq = 0  # reports recorded; the stats thread logs when it moved
+        self._loggers_lock = threading.Lock()  # record() on the connection's thread, log() on the stats thread
         self._stats_wake = threading.Event()
         self._stats_thread = threading.Thread(target=self._log_stats_loop, name="loom-stats", daemon=True)
         self._stats_thread.start()
@@ -260,16 +261,17 @@ class EngineClient:
                 return
 
     def _call_loggers(self, method: str, *args: Any) -> None:
-        for stat_logger in list(self.stat_loggers):
-            fn = getattr(stat_logger, method, None)
-            if fn is None:
-                continue
-            try:
-                fn(*args)
-            except Exception:
-                # A broken logger must not stop serving; it is dropped, loudly.
-                logger.exception("Stat logger %s raised in %s(); it is disabled", type(stat_logger).__name__, method)
-                if stat_logger in self.stat_loggers:
+        with self._loggers_lock:  # a logger is never called from two threads at once
+            for stat_logger in list(self.stat_loggers):
+                fn = getattr(stat_logger, method, None)
+                if fn is None:
+                    continue
+                try:
+                    fn(*args)
+                except Exception:
+                    # A broken logger must not stop serving; it is dropped, loudly.
+                    logger.exception("Stat logger %s raised in %s(); it is disabled",
+                                     type(stat_logger).__name__, method)
                     self.stat_loggers.remove(stat_logger)
 
 

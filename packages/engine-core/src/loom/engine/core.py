@@ -33,37 +33,47 @@ class EngineCore:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
-    def step(self, commands: Sequence[Command] = ()) -> EngineOutputs | None:
-        """Apply ``commands``, step once if there is work; None when nothing happened."""
+    def step(self, commands: Sequence[Command] = (), *, raise_errors: bool = False) -> EngineOutputs | None:
+        """Apply ``commands``, step once if there is work; None when there is nothing to report.
+
+        ``raise_errors`` (``loom.LLM``, whose caller is the user): a refused request or a failed
+        step raises as it is instead of becoming a per-request error of the report.
+        """
         engine = self.engine
-        errors = self.apply(commands)
-        busy = engine.has_unfinished_requests()
+        errors = self.apply(commands, raise_errors=raise_errors)
         outputs = []
-        if busy:
+        if engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
             except EngineStepError as e:
+                if raise_errors:
+                    raise
                 logger.error("%s", e, exc_info=e.__cause__)
                 errors.extend(RequestError(request_id=i, message=str(e), status=500) for i in e.request_ids)
-        if not (commands or busy):
+        if not (outputs or errors or commands):
             return None
         # Stats go with every report: a handful of integers beside the step's deltas.
         return EngineOutputs(outputs=outputs, errors=errors, stats=engine.get_stats())
 
-    def apply(self, commands: Sequence[Command]) -> list[RequestError]:
+    def apply(self, commands: Sequence[Command], *, raise_errors: bool = False) -> list[RequestError]:
         """Add and abort requests, in order; the errors of the adds the engine refused."""
         errors: list[RequestError] = []
         for command in commands:
             if isinstance(command, AbortRequests):
                 self.engine.abort_request(command.request_ids)
+            elif raise_errors:
+                self._add_request(command)
             else:
                 self._add(command, errors)
         return errors
 
+    def _add_request(self, req: AddRequest) -> None:
+        self.engine.add_request(req.request_id, req.prompt, req.prompt_token_ids, req.sampling_params,
+                                stream=req.stream)
+
     def _add(self, req: AddRequest, errors: list[RequestError]) -> None:
         try:
-            self.engine.add_request(req.request_id, req.prompt, req.prompt_token_ids, req.sampling_params,
-                                    stream=req.stream)
+            self._add_request(req)
         except ValueError as e:  # the request as given cannot run: the caller's error (400)
             errors.append(RequestError(request_id=req.request_id, message=str(e), status=400))
         except Exception as e:  # a bug met by this request alone: fail it (500), serve the others

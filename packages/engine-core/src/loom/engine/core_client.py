@@ -52,10 +52,14 @@ class ProcCoreConnection(CoreConnection):
                 elif isinstance(body, EngineReady):
                     client.on_engine_ready()
                 elif msg.kind is Kind.PEER_DIED:
-                    client.on_engine_dead(body.describe())
+                    client.on_engine_dead(body.describe() if body is not None else
+                                          "a process of the serve died (its report did not decode; see the log)")
                 elif isinstance(body, Shutdown):
                     client.on_shutdown_requested()
                 else:
                     logger.warning("Front end ignored a %s frame from %s", msg.kind.value, msg.src)
         except (EOFError, OSError) as e:
             client.on_engine_dead(f"the supervisor connection closed ({type(e).__name__}: {e})")
+        except Exception as e:  # a bug here must not leave the front end waiting on a silent engine
+            logger.exception("The front end's engine reader failed")
+            client.on_engine_dead(f"the front end's engine reader failed: {type(e).__name__}: {e}")

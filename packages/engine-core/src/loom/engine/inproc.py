@@ -92,6 +92,7 @@ class InprocAsyncLLM(EngineClient):
     def __init__(self, config: LoomConfig, executor: Executor, tokenizer: Any, **kwargs: Any) -> None:
         self.engine = LLMEngine(config, executor, tokenizer)
         super().__init__(config, tokenizer, InprocCoreConnection(self.engine), **kwargs)
+        self._stats = self.engine.get_stats()  # /metrics has gauges before the first request
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> InprocAsyncLLM:

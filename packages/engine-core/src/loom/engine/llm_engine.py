@@ -83,8 +83,12 @@ class LLMEngine:
             request_id, prompt, prompt_token_ids, sampling_params, stream=stream, arrival=self._arrival,
             eos_token_id=self.eos_token_id,
         )
-        for child in children:
-            self.scheduler.add_request(child)
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+        except BaseException:
+            self.abort_request(request_id)  # nothing of a request the engine could not take stays behind
+            raise
         self.num_prompt_tokens += len(prompt_token_ids) * n
 
     def _validate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

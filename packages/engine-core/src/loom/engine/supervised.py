@@ -47,6 +47,9 @@ class BridgeConnection:
             self._ready.extend(self._decoder.feed(data))
         return self._ready.popleft()
 
+    def ready(self) -> None:
+        """The bridge child said READY for the engine core already."""
+
     def close(self) -> None:
         self._sock.close()
 

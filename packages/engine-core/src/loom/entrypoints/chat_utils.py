@@ -5,8 +5,6 @@ from __future__ import annotations
 import codecs
 from pathlib import Path
 
-import jinja2
-
 from ..transformers_utils.fast_tokenizer import compile_chat_template
 
 _JINJA_CHARS = "{}\n"
@@ -43,6 +41,9 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def _check_syntax(text: str, source: str) -> None:
+    # lazy: jinja2 costs ~0.1 s of start-up in every process; only a chat template needs it
+    import jinja2
+
     try:
         compile_chat_template(text)  # the environment the front end renders it in
     except jinja2.TemplateSyntaxError as e:  # unknown filters and tests too (TemplateAssertionError)

@@ -13,11 +13,10 @@ from tqdm import tqdm
 from .. import envs
 from ..engine.arg_utils import EngineArgs
 from ..engine.core import EngineCore
-from ..engine.errors import EngineStepError
 from ..engine.executor import Executor
 from ..engine.llm_engine import LLMEngine
 from ..engine.uniproc_executor import UniProcExecutor
-from ..ipc.messages import AbortRequests, AddRequest, RequestError
+from ..ipc.messages import AbortRequests, AddRequest
 from ..logger import init_logger
 from ..outputs import RequestOutput
 from ..transformers_utils.tokenizer import get_tokenizer
@@ -61,7 +60,7 @@ class LLM:
         engine = getattr(self, "llm_engine", None)
         if engine is not None:
             engine.shutdown()
-            self.llm_engine = None  # type: ignore[assignment]
+            self.llm_engine = self.engine_core = None  # type: ignore[assignment]  # frees the model
 
     def __del__(self) -> None:
         try:
@@ -113,21 +112,20 @@ class LLM:
         adds = [AddRequest(request_id=i, prompt=text, prompt_token_ids=token_ids, sampling_params=params, stream=False)
                 for i, (text, token_ids), params in zip(ids, requests, params_list)]
         core = self.engine_core
-        errors = core.apply(adds)
-        if errors:
+        try:
+            core.apply(adds, raise_errors=True)
+        except BaseException:
             core.apply([AbortRequests(request_ids=ids)])  # all or nothing
-            self._raise(errors)
+            raise
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
             while self.llm_engine.has_unfinished_requests():
-                report = core.step()
+                report = core.step(raise_errors=True)
                 if report is None:
                     continue
-                if report.errors:
-                    self._raise(report.errors)
                 for out in report.outputs:
                     if out.finished:
                         finished[out.request_id] = out
@@ -140,14 +138,6 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
-
-    @staticmethod
-    def _raise(errors: list[RequestError]) -> None:
-        """A request the engine refused (400) is a ValueError; a failed model step, EngineStepError."""
-        failed = [e for e in errors if e.status >= 500]
-        if not failed:
-            raise ValueError(errors[0].message)
-        raise EngineStepError(failed[0].message, sorted(e.request_id for e in failed))
 
     def chat(
         self,

@@ -29,12 +29,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
-    from ..engine.launch import build_plan  # lazy: it needs loom_supervisor, which `loom serve` checks first
-
+    """The config first (its errors end a serve before anything else), then the plan."""
     server = ServerConfig.from_cli_args(args)
     # The template text, read and checked once here (before the model loads): the front end takes it as is.
     server.chat_template = load_chat_template(server.chat_template)
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    try:
+        from ..engine.launch import build_plan  # lazy: loom_supervisor is an optional wheel
+    except ImportError as e:
+        raise ImportError(f"loom serve needs the supervisor: pip install ./supervisor-rs (loom-supervisor); {e}") from None
     return build_plan(config, server)
 
 

@@ -24,13 +24,15 @@ class Message:
     src: str
     kind: Kind
     body: Any
-    """The struct of ``kind`` (``loom_supervisor.client.PeerDied`` for PEER_DIED)."""
+    """The struct of ``kind`` (``loom_supervisor.client.PeerDied`` for PEER_DIED, None if its body was bad)."""
 
 
 class FrameConnection(Protocol):
     """What a Channel needs of a connection: ``loom_supervisor.client.Client`` or a bridge socket."""
 
     def send(self, dst: str, kind: str, body: bytes = b"") -> None: ...
+
+    def ready(self) -> None: ...
 
     def recv(self, timeout: float | None = None) -> Any: ...
 
@@ -67,7 +69,7 @@ class Channel:
         return pickle.loads(self._config_bytes)
 
     def ready(self) -> None:
-        self._conn.ready()  # type: ignore[attr-defined]
+        self._conn.ready()
 
     def send(self, dst: str, msg: Any) -> None:
         self._conn.send(dst, kind_of(msg).value, encode(msg))
@@ -76,7 +78,7 @@ class Channel:
         """The next message, decoded; None on timeout. ``EOFError`` when the supervisor is gone.
 
         A frame whose kind is unknown or whose body does not decode is logged and dropped:
-        one bad frame must not take the process down.
+        one bad frame must not take the process down (a PEER_DIED still arrives, with body None).
         """
         while True:
             frame = self._conn.recv(timeout)
@@ -92,7 +94,10 @@ class Channel:
                     body = decode_body(kind, frame.body)
             except self._malformed as e:
                 logger.error("Dropped a %s frame from %s that does not decode: %s", frame.kind, frame.src, e)
-                continue
+                if frame.kind != Kind.PEER_DIED.value:
+                    continue
+                body = None  # a process died all the same: the receiver must hear it
+                kind = Kind.PEER_DIED
             return Message(frame.src, kind, body)
 
     def close(self) -> None:

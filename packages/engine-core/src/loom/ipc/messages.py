@@ -150,11 +150,12 @@ __all__ = [
 
 def kind_of(msg: object) -> Kind:
     """The kind a message travels as; a type without one is an error naming it."""
-    try:
-        return KIND_OF[type(msg)]
-    except KeyError:
-        raise TypeError(f"{type(msg).__name__} is not a message type; known: "
-                        f"{', '.join(tp.__name__ for tp in KIND_OF)}") from None
+    for tp in type(msg).__mro__:
+        kind = KIND_OF.get(tp)
+        if kind is not None:
+            return kind
+    raise TypeError(f"{type(msg).__name__} is not a message type; known: "
+                    f"{', '.join(tp.__name__ for tp in KIND_OF)}")
 
 
 def decode_body(kind: str, body: bytes) -> object:

@@ -24,8 +24,6 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf import GGUFReader
-from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .. import envs
@@ -35,6 +33,7 @@ from ..transformers_utils.fast_tokenizer import FastTokenizer
 
 if TYPE_CHECKING:
     import torch
+    from gguf import GGUFReader
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 logger = init_logger(__name__)
@@ -104,6 +103,9 @@ class _Metadata:
 
 
 def _open(path: str) -> _Metadata:
+    # lazy: gguf costs start-up time, and a model converted once (cached) never opens the file again
+    from gguf import GGUFReader
+
     try:
         reader = GGUFReader(path)
     except (OSError, ValueError, struct.error) as e:
@@ -205,6 +207,8 @@ def _gguf_tensors(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str
         n_head = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
 
         def make(tensor: Any = tensor, shape: tuple[int, ...] = shape, n_head: int | None = n_head) -> np.ndarray:
+            from gguf.quants import dequantize  # lazy: as GGUFReader in _open
+
             try:
                 array = dequantize(tensor.data, tensor.tensor_type)
             except NotImplementedError:

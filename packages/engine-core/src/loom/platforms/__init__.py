@@ -20,22 +20,13 @@ Every verdict (answered, None, or raised with its reason) is logged and kept in
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from loom_plugin_api import (
-    PLATFORM_PLUGINS_GROUP,
-    AttentionSelectorConfig,
-    Platform,
-    PlatformError,
-    load_plugins_by_group,
-)
+from loom_plugin_api import PLATFORM_PLUGINS_GROUP, Platform, PlatformError, load_plugins_by_group
 from loom_plugin_api import context as _plugin_context
 from loom_plugin_api._qualname import resolve_obj_by_qualname
 from loom_plugin_api.loader import plugin_records
@@ -66,6 +57,9 @@ def cuda_platform_plugin() -> str | None:
     asks the NVIDIA driver (NVML) rather than torch: importing torch and probing CUDA
     would cost each of them seconds and a CUDA context's memory.
     """
+    # lazy: only asked when loom-platform-cuda is installed
+    import importlib.util
+
     if importlib.util.find_spec("loom_platform_cuda") is None:
         raise _NotAvailable("loom-platform-cuda is not installed")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -82,6 +76,9 @@ def cuda_platform_plugin() -> str | None:
 
 def _nvml_device_count() -> int:
     """GPUs the NVIDIA driver reports, through NVML (no CUDA context is created)."""
+    # lazy: only asked when loom-platform-cuda is installed
+    import ctypes
+
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
@@ -100,6 +97,10 @@ def _nvml_device_count() -> int:
 
 def _torch_cuda_version() -> str | None:
     """``torch.version.cuda`` read from torch's version file, without importing torch."""
+    # lazy: only asked when loom-platform-cuda is installed
+    import importlib.util
+    import re
+
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -285,7 +286,9 @@ def validate_platform_names(config: Any, *, worker_cls_chosen_by_user: bool = Fa
                         chosen_by_user=worker_cls_chosen_by_user)
     if builtin:
         return
-    import torch  # lazy: the CLI process loads torch only to check an out-of-tree platform's names
+    # lazy: torch stays out of the processes that never compute
+    import torch
+    from loom_plugin_api import AttentionSelectorConfig
 
     selector = AttentionSelectorConfig(
         head_size=config.model_config.get_head_size(), dtype=getattr(torch, config.model_config.dtype),

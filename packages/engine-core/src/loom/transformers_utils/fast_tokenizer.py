@@ -17,10 +17,6 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import nodes
-from jinja2.exceptions import TemplateError
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 __all__ = ["FastTokenizer", "compile_chat_template"]
@@ -51,6 +47,12 @@ def _read_chat_template(path: str, config: dict[str, Any]) -> str | None:
 def compile_chat_template(template: str) -> Any:
     """Compile a chat template the way transformers does (sandboxed, trimmed blocks, its
     ``{% generation %}`` tag and helpers). Raises ``jinja2.TemplateSyntaxError``."""
+    # lazy: jinja2 costs ~0.1 s of start-up in every process; only a chat template needs it
+    from jinja2 import nodes
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     class GenerationTag(Extension):
         # {% generation %}...{% endgeneration %} marks assistant text for training masks;
         # rendering keeps what it encloses.

@@ -9,7 +9,6 @@ from loom_plugin_api import SamplingParams
 
 from ...engine.arg_utils import EngineArgs
 from ..chat_utils import load_chat_template
-from ..llm import LLM
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -26,6 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..llm import LLM  # lazy: it loads torch, which `loom generate --help` does not need
+
     chat_template = load_chat_template(args.chat_template)  # a bad template fails before the model loads
     engine_args = EngineArgs.from_cli_args(args)
     kwargs = {k: v for k, v in vars(engine_args).items() if k != "model"}

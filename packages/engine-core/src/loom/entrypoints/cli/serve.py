@@ -12,9 +12,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        import loom_supervisor  # lazy: an optional wheel; without it the other commands still work
-    except ImportError:
-        raise ImportError("loom serve needs the supervisor: pip install ./supervisor-rs (loom-supervisor)") from None
     plan = plan_from_args(args)  # config errors end here, before anything is spawned
+    import loom_supervisor  # lazy: an optional wheel (plan_from_args said so if it is missing)
+
     return int(loom_supervisor.run(plan))
