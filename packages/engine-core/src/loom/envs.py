@@ -21,10 +21,6 @@ def _str_or_none(name: str) -> Callable[[], str | None]:
     return lambda: os.environ.get(name)
 
 
-def _float(name: str, default: float) -> Callable[[], float]:
-    return lambda: float(os.environ.get(name, default))
-
-
 environment_variables: dict[str, Callable[[], Any]] = {
     # Comma-separated entry-point names of plugins to load; unset = all, "" = none.
     "LOOM_PLUGINS": _str_or_none("LOOM_PLUGINS"),

@@ -13,7 +13,6 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections import deque
 
 import loom_supervisor
 from loom_supervisor import client
@@ -22,36 +21,6 @@ from ..config import LoomConfig
 from ..ipc.channel import Channel
 from .launch import build_plan
 from .multiproc_executor import MultiprocExecutor
-
-
-class BridgeConnection:
-    """Frames over the bridge socket, as ``engine_core`` (a ``FrameConnection`` for ``Channel``)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._decoder = client.Decoder()
-        self._ready: deque[client.Frame] = deque()
-
-    def send(self, dst: str, kind: str, body: bytes = b"") -> None:
-        self._sock.sendall(client.encode("engine_core", dst, kind, body))
-
-    def recv(self, timeout: float | None = None) -> client.Frame | None:
-        while not self._ready:
-            self._sock.settimeout(timeout)
-            try:
-                data = self._sock.recv(1 << 16)
-            except TimeoutError:
-                return None
-            if not data:
-                raise EOFError("the worker processes are gone (see the supervisor's report above)")
-            self._ready.extend(self._decoder.feed(data))
-        return self._ready.popleft()
-
-    def ready(self) -> None:
-        """The bridge child said READY for the engine core already."""
-
-    def close(self) -> None:
-        self._sock.close()
 
 
 class SupervisedExecutor(MultiprocExecutor):
@@ -78,7 +47,8 @@ class SupervisedExecutor(MultiprocExecutor):
             listener.close()
             os.unlink(path)
         sock.settimeout(None)
-        self._channel = Channel(BridgeConnection(sock), "engine_core")
+        # The bridge relays frames as they are: this end speaks the supervisor's framing, as engine_core.
+        self._channel = Channel(client.Client(sock, "engine_core"), "engine_core")
         try:
             super().__init__(config, self._channel)
         except BaseException:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ..logger import init_logger
 from .codec import encode
 from .messages import MESSAGES_VERSION, Kind, Shutdown, decode_body, kind_of
+
+if TYPE_CHECKING:
+    from loom_supervisor.client import Client
 
 logger = init_logger(__name__)
 
@@ -27,18 +30,6 @@ class Message:
     """The struct of ``kind`` (``loom_supervisor.client.PeerDied`` for PEER_DIED, None if its body was bad)."""
 
 
-class FrameConnection(Protocol):
-    """What a Channel needs of a connection: ``loom_supervisor.client.Client`` or a bridge socket."""
-
-    def send(self, dst: str, kind: str, body: bytes = b"") -> None: ...
-
-    def ready(self) -> None: ...
-
-    def recv(self, timeout: float | None = None) -> Any: ...
-
-    def close(self) -> None: ...
-
-
 def role_name(role: str, rank: int | None) -> str:
     return f"worker:{rank}" if role == "worker" else role
 
@@ -46,7 +37,7 @@ def role_name(role: str, rank: int | None) -> str:
 class Channel:
     """Blocking send/recv of typed messages through the supervisor (thread-safe per direction)."""
 
-    def __init__(self, conn: FrameConnection, name: str, config_bytes: bytes = b"") -> None:
+    def __init__(self, conn: Client, name: str, config_bytes: bytes = b"") -> None:
         from loom_supervisor import client  # lazy: the supervisor wheel is needed only by processes it runs
 
         self.name = name
