@@ -1,0 +1,287 @@
+"""Roofline: loom's offline throughput as a fraction of this machine's GEMM-only bound.
+
+For each model: the FLOPs of every linear layer of the workload (from the model's config,
+per token through the layers; the LM head only where loom samples: the last prompt token
+and each decode step), ``F.linear`` timed on this machine for each of those shapes at the
+batch sizes the scheduler runs (the prefill token budget, the decode batch), and the
+bound = those FLOPs at those speeds. Then loom's output tok/s (``offline_throughput.run_loom``)
+as % of the bound, and (unless ``--no-profile``) two more runs of the workload on a fresh
+engine, each with new prompts so that the prefix cache cannot help: one timed per step, one
+under ``torch.profiler``. Steps are split into prefill steps (prompt tokens scheduled;
+decodes of earlier requests ride along) and decode steps, and the profiler's self CPU time
+per step is bucketed into GEMMs, attention, norms and activations, embedding and LM head,
+sampling, other ops and Python, through scopes the script hooks onto loom's modules.
+
+    python bench/roofline.py --models opt-125m --dtype bfloat16
+    python bench/roofline.py --models default opt-2m --no-profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import os
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, os.path.dirname(__file__))
+from offline_throughput import SHAPES, VOCAB, build_random_model, run_loom, workload  # noqa: E402
+
+# Module scopes: the bucket of everything a module runs, by a class name in its MRO.
+SCOPES = {cls: bucket for bucket, classes in {
+    "GEMMs": ["LinearBase"], "attention": ["Attention"], "rotary embedding": ["RotaryEmbedding"],
+    "norms & activations": ["LayerNorm", "RMSNorm", "SiluAndMul", "ReLU", "GELU", "SiLU"],
+    "embedding & LM head": ["VocabParallelEmbedding", "Embedding"], "sampling": ["LogitsProcessor", "Sampler"],
+}.items() for cls in classes}
+# Inside the LM head scope the GEMMs are the LM head; the running max/argmax is sampling.
+SPLIT = {("sampling", "GEMMs"): "embedding & LM head"}
+# Ops outside any module scope (and their children), by name.
+OPS = [
+    (re.compile(r"addmm|::mm$|::bmm$|::linear$|::matmul$|mkldnn|onednn"), "GEMMs"),
+    (re.compile(r"scaled_dot_product|flash_attention|index_copy"), "attention"),
+    (re.compile(r"layer_norm|rms_norm|gelu|silu|relu"), "norms & activations"),
+    (re.compile(r"::embedding"), "embedding & LM head"),
+    (re.compile(r"argmax|topk|sort|softmax|multinomial|::max$"), "sampling"),
+]
+ROWS = [*dict.fromkeys(SCOPES.values()), "other aten ops", "Python in model code", "engine outside the model"]
+STEP, MODEL = "engine step", "model forward"  # the scopes this script adds besides SCOPES' buckets
+LABELS = {MODEL, *SCOPES.values()}
+
+
+def model_linears(cfg: Any) -> tuple[list[tuple[str, int, int]], int, int, int]:
+    """``([(name, in, out)] of one layer's linears as loom fuses them, LM head in, vocab, heads * head_dim)``."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    d = getattr(cfg, "head_dim", None) or h // heads
+    mlp = {"opt": lambda f: [("fc1", h, f), ("fc2", f, h)],
+           "llama": lambda f: [("gate_up", h, 2 * f), ("down", f, h)]}[cfg.model_type]
+    ffn = getattr(cfg, "ffn_dim", None) or cfg.intermediate_size
+    layer = [("qkv", h, (heads + 2 * kv_heads) * d), ("o", heads * d, h), *mlp(ffn)]
+    return layer, getattr(cfg, "word_embed_proj_dim", None) or h, cfg.vocab_size, heads * d
+
+
+def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> float:
+    """Median seconds of ``F.linear`` on (m, k) x (n, k), after warm-up. The weight cycles
+    through ``copies`` tensors (one per layer, as in a step), so it comes from memory, not cache."""
+    x, ws = torch.randn(m, k, dtype=dtype), [torch.randn(n, k, dtype=dtype) for _ in range(copies)]
+    b = torch.randn(n, dtype=dtype) if bias else None
+    times = []
+    with torch.inference_mode():
+        for i in range(200):
+            start = time.perf_counter()
+            F.linear(x, ws[i % copies], b)
+            times.append(time.perf_counter() - start)
+            if i >= max(12, copies + 3) and sum(times[3:]) > 0.3:
+                break
+    return statistics.median(times[3:])
+
+
+def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, budget: int, max_seqs: int) -> dict[str, Any]:
+    layer, lm_in, vocab, q_dim = model_linears(cfg)
+    bias = bool(getattr(cfg, "enable_bias", False) or getattr(cfg, "attention_bias", False))
+    P, In, Out, L = args.num_prompts, args.input_len, args.output_len, cfg.num_hidden_layers
+    m = {"prefill": min(budget, P * In), "decode": min(P, max_seqs)}  # rows of one step's layer GEMMs
+    m_lm = {"prefill": max(1, min(P, budget // In)), "decode": m["decode"]}  # rows that sample in one step
+    rows = [(name, ph, m[ph], k, n, time_linear(m[ph], k, n, bias, dtype, L)) for ph in m for name, k, n in layer]
+    rows += [("lm_head", ph, m_lm[ph], lm_in, vocab, time_linear(m_lm[ph], lm_in, vocab, False, dtype)) for ph in m]
+    t_layers = {ph: L * sum(t for name, p, *_, t in rows if p == ph and name != "lm_head") for ph in m}
+    t_lm = {p: t for name, p, *_, t in rows if name == "lm_head"}
+    tokens = {"prefill": P * In, "decode": P * (Out - 1)}  # through the layers (the last sample is not fed back)
+    samples = {"prefill": P, "decode": P * (Out - 1)}  # through the LM head
+    per_token, lm_flops = 2 * L * sum(k * n for _, k, n in layer), 2 * lm_in * vocab
+    seconds = sum(t_layers[ph] * tokens[ph] / m[ph] + t_lm[ph] * samples[ph] / m_lm[ph] for ph in m)
+    contexts = P * (In * (In + 1) // 2 + sum(In + i for i in range(1, Out)))  # causal context of every query
+    return dict(rows=rows, per_token=per_token, lm_flops=lm_flops, seconds=seconds, tok_s=P * Out / seconds,
+                flops=sum(per_token * tokens[ph] + lm_flops * samples[ph] for ph in m),
+                m=m, t_layers=t_layers, attn_flops=4 * q_dim * contexts * L)
+
+
+def si(x: float, unit: str) -> str:
+    return next((f"{x / f:.3g} {p}{unit}" for p, f in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if x >= f),
+                f"{x:.3g} {unit}")
+
+
+def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[], None]:
+    """Wrap each engine step in a ``STEP`` scope, ``phases`` getting ``[prefill|decode|idle, tokens,
+    seconds]`` per step; with ``modules``, a scope around the model and each module ``SCOPES``
+    names. Returns the undo."""
+    core, executor = llm.engine_core, llm.llm_engine.executor
+    runner = executor.worker.model_runner
+    step, execute, greedy = core.step, executor.execute_model, runner.model.logits_processor.greedy_token_ids
+    stack: list[record_function] = []
+
+    def enter(label: str, *_: Any) -> None:
+        stack.append(record_function(label))
+        stack[-1].__enter__()
+
+    def leave(*_: Any) -> None:
+        stack.pop().__exit__(None, None, None)
+
+    def tagged_step(*a: Any, **kw: Any) -> Any:
+        n, start = len(phases), time.perf_counter()
+        with record_function(STEP):
+            out = step(*a, **kw)
+        if len(phases) == n:  # nothing ran: keep phases in step with the STEP events
+            phases.append(["idle", 0, 0.0])
+        phases[-1][2] = time.perf_counter() - start
+        return out
+
+    def tagged_execute(out: Any) -> Any:
+        tokens = [len(r.token_ids) for r in out.scheduled]
+        phases.append(["prefill" if any(t > 1 for t in tokens) else "decode", sum(tokens), 0.0])
+        return execute(out)
+
+    def scoped_greedy(*a: Any, **kw: Any) -> Any:  # the fused greedy LM head is no forward()
+        with record_function("sampling"):
+            return greedy(*a, **kw)
+
+    handles = []
+    for module in [*runner.model.modules(), runner.sampler] if modules else []:
+        label = MODEL if module is runner.model else next(
+            (SCOPES[c.__name__] for c in type(module).__mro__ if c.__name__ in SCOPES), None)
+        if label is not None:
+            handles += [module.register_forward_pre_hook(functools.partial(enter, label)),
+                        module.register_forward_hook(leave)]
+    core.step, executor.execute_model = tagged_step, tagged_execute
+    runner.model.logits_processor.greedy_token_ids = scoped_greedy
+
+    def undo() -> None:
+        for h in handles:
+            h.remove()
+        del core.step, executor.execute_model, runner.model.logits_processor.greedy_token_ids
+    return undo
+
+
+def breakdown(events: Any, phases: list[list[Any]]) -> dict[str, Counter[tuple[str, str]]]:
+    """Per phase: µs of self CPU time per (bucket, op name)."""
+    steps = sorted((e for e in events if e.name == STEP), key=lambda e: e.time_range.start)
+    phase_of = {id(e): ph for e, (ph, *_) in zip(steps, phases)}
+    out: dict[str, Counter[tuple[str, str]]] = {"prefill": Counter(), "decode": Counter()}
+    for e in events:
+        op_bucket = scope = None
+        node = e
+        while node is not None and node.name != STEP:  # up to the step, noting the nearest scope
+            if node.name in LABELS:
+                scope = scope or node.name
+            elif scope is None and op_bucket is None:  # an op's children count as the op
+                op_bucket = next((b for pat, b in OPS if pat.search(node.name)), None)
+            node = node.cpu_parent
+        if node is None or phase_of.get(id(node)) not in out:
+            continue
+        if e is node:
+            bucket = "engine outside the model"
+        elif e.name in LABELS:
+            bucket = "Python in model code"
+        else:
+            bucket = SPLIT.get((scope, op_bucket)) or (scope != MODEL and scope) or op_bucket or "other aten ops"
+        out[phase_of[id(node)]][bucket, e.name] += e.self_cpu_time_total
+    return out
+
+
+def machine(dtype: str) -> str:
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "unknown CPU")
+    isa = sorted(set(info.split()) & {"avx512f", "avx512_bf16", "amx_bf16"})
+    return (f"{cpu} ({', '.join(isa) or 'no AVX-512'}), {len(os.sched_getaffinity(0))} cores, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads), {dtype}")
+
+
+def run_model(name: str, args: argparse.Namespace, root: str) -> tuple[float, dict[str, Any]]:
+    from loom import LLM
+    from loom.engine.arg_utils import EngineArgs
+    from loom.transformers_utils.config import get_hf_config, resolve_model_path
+
+    model = None if name == "default" else build_random_model(name, root)
+    cfg = get_hf_config(*resolve_model_path(model))
+    vocab = 49152 if model is None else VOCAB.get(name, 50272)
+    prompts, *others = (workload(args.num_prompts, args.input_len, vocab, seed) for seed in range(3))
+    elapsed, tokens = run_loom(model, prompts, args.output_len, args.dtype)
+    loom_tps = tokens / elapsed
+    engine = dict(dtype=args.dtype, max_model_len=max(args.input_len + args.output_len, 512))  # as run_loom's
+    sched = EngineArgs(model=model, **engine).create_engine_config().scheduler_config
+    r = roofline(cfg, getattr(torch, args.dtype), args, sched.max_num_batched_tokens, sched.max_num_seqs)
+    print(f"\n## {name} ({args.dtype})\n\n| linear (step) | m x k -> n | ms | GFLOP/s |\n|---|---|---|---|")
+    for lin, ph, m, k, n, t in r["rows"]:
+        print(f"| {lin} ({ph}) | {m} x {k} -> {n} | {t * 1e3:.3f} | {2 * m * k * n / t / 1e9:,.0f} |")
+    print(f"\n| figure | value |\n|---|---|\n| layer GEMMs per token | {si(r['per_token'], 'FLOP')} |\n"
+          f"| LM head per sampled token | {si(r['lm_flops'], 'FLOP')} |\n| workload GEMMs | {si(r['flops'], 'FLOP')} |\n"
+          f"| attention QK/PV, causal (not in the bound) | {si(r['attn_flops'], 'FLOP')} |\n"
+          f"| GEMM-only bound | {r['seconds']:.3g} s = {r['tok_s']:,.0f} output tok/s |\n"
+          f"| loom | {elapsed:.3g} s = {loom_tps:,.0f} output tok/s |\n| loom / bound | {loom_tps / r['tok_s']:.0%} |",
+          flush=True)
+    if not args.no_profile:
+        print_breakdown(LLM(model, **engine), others, args.output_len, r)
+    return loom_tps, r
+
+
+def print_breakdown(llm: Any, workloads: list[list[list[int]]], output_len: int, r: dict[str, Any]) -> None:
+    """Run two workloads on ``llm``, timed per step then profiled, and print a table per phase."""
+    from loom import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": workloads[0][0][:8]}], SamplingParams(max_tokens=2))  # warm-up
+    runs: list[list[list[Any]]] = [[], []]  # timed, profiled
+    for phases, prompts in zip(runs, workloads):
+        undo = instrument(llm, phases, modules=phases is runs[1])
+        with profile(activities=[ProfilerActivity.CPU]) if phases is runs[1] else contextlib.nullcontext() as prof:
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        undo()
+    llm.shutdown()
+    print(f"\nBreakdown: the workload with new prompts on a fresh engine, timed per step "
+          f"({sum(p[2] for p in runs[0]):.2f} s), then with other new prompts under torch.profiler ({sum(p[2] for p in runs[1]):.2f} s). Prefill steps schedule "
+          "prompt tokens (decodes of earlier prompts ride along); decode steps one token per running request. "
+          "Rows are of the profiled run, whose own overhead lands mostly in the Python rows.")
+    for ph, us in breakdown(prof.events(), runs[1]).items():
+        timed, steps = [p for p in runs[0] if p[0] == ph], [p for p in runs[1] if p[0] == ph]
+        n, total = max(len(steps), 1), sum(us.values())
+        gemm_s = sum(t for (b, _), t in us.items() if b == "GEMMs") / 1e6
+        print(f"\n### {ph}: {len(steps)} steps, {sum(p[1] for p in steps):,} tokens; "
+              f"{sum(p[2] for p in timed) * 1e3 / max(len(timed), 1):.1f} ms per step unprofiled, "
+              f"{total / 1e3 / n:.1f} profiled; layer GEMMs at "
+              f"{r['per_token'] * sum(p[1] for p in steps) / max(gemm_s, 1e-9) / 1e9:,.0f} GFLOP/s in loom, "
+              f"{r['per_token'] * r['m'][ph] / r['t_layers'][ph] / 1e9:,.0f} alone ({r['m'][ph]} rows)"
+              "\n\n| bucket | ms per step | % | largest ops (Python: scopes), ms per step |\n|---|---|---|---|")
+        for row in ROWS:
+            ops = sorted(((t, op) for (b, op), t in us.items() if b == row), reverse=True)
+            top = ", ".join(f"{op} {t / 1e3 / n:.2f}" for t, op in ops[:3]) if row != ROWS[-1] else ""
+            row_us = sum(t for t, _ in ops)
+            print(f"| {row} | {row_us / 1e3 / n:.2f} | {row_us / max(total, 1):.1%} | {top} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["default"], choices=["default", *SHAPES])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled run and its breakdown")
+    args = parser.parse_args()
+    print(f"# loom roofline, {datetime.datetime.now():%Y-%m-%d %H:%M}\n\n`python {shlex.join(sys.argv)}`\n\n"
+          f"{machine(args.dtype)}; {args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
+          "greedy, EOS ignored")
+    results: dict[str, tuple[float, dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        for name in args.models:
+            results[name] = run_model(name, args, root)
+    print("\n| model | dtype | loom tok/s | GEMM-only bound tok/s | loom / bound |\n|---|---|---|---|---|")
+    for name, (tps, r) in results.items():
+        print(f"| {name} | {args.dtype} | {tps:,.0f} | {r['tok_s']:,.0f} | {tps / r['tok_s']:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
