@@ -44,10 +44,17 @@ __all__ = ["CoreConnection", "EngineClient", "EngineDeadError", "EngineError", "
 
 class CoreConnection(abc.ABC):
     """How requests reach an engine loop. ``start(client)`` is called once; from then on the
-    connection reports to the client's ``on_*`` methods, from its own thread."""
+    connection reports to the client's ``on_*`` methods from its thread, which runs ``_run``."""
+
+    thread_name = "loom-engine-connection"
+
+    def start(self, client: EngineClient) -> None:
+        self._thread = threading.Thread(target=self._run, args=(client,), name=self.thread_name, daemon=True)
+        self._thread.start()
 
     @abc.abstractmethod
-    def start(self, client: EngineClient) -> None: ...
+    def _run(self, client: EngineClient) -> None:
+        """The connection's thread: report to ``client`` until the engine is gone."""
 
     @abc.abstractmethod
     def add_request(self, request: AddRequest) -> None: ...

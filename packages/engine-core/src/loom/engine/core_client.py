@@ -9,8 +9,6 @@ the cause, and ``/health`` answers 503 from then on.
 
 from __future__ import annotations
 
-import threading
-
 from ..ipc.channel import Channel
 from ..ipc.messages import AbortRequests, AddRequest, EngineOutputs, EngineReady, Kind, Shutdown
 from ..logger import init_logger
@@ -20,14 +18,10 @@ logger = init_logger(__name__)
 
 
 class ProcCoreConnection(CoreConnection):
+    thread_name = "loom-core-client"
+
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
-        self._client: EngineClient | None = None
-        self._thread = threading.Thread(target=self._read, name="loom-core-client", daemon=True)
-
-    def start(self, client: EngineClient) -> None:
-        self._client = client
-        self._thread.start()
 
     def add_request(self, request: AddRequest) -> None:
         self.channel.send("engine_core", request)
@@ -38,9 +32,7 @@ class ProcCoreConnection(CoreConnection):
     async def shutdown(self) -> None:
         """Nothing to stop here: the supervisor stops the engine-core process after the front end."""
 
-    def _read(self) -> None:
-        client = self._client
-        assert client is not None
+    def _run(self, client: EngineClient) -> None:
         try:
             while True:
                 msg = self.channel.recv()

@@ -33,6 +33,8 @@ logger = init_logger(__name__)
 
 
 class InprocCoreConnection(CoreConnection):
+    thread_name = "loom-engine"
+
     def __init__(self, engine: LLMEngine) -> None:
         self.core = EngineCore(engine)
         self.name = f"engine thread of process {os.getpid()}"
@@ -40,11 +42,10 @@ class InprocCoreConnection(CoreConnection):
         self._commands: list[Command] = []
         self._stopping = False
         self._client: EngineClient | None = None
-        self._thread = threading.Thread(target=self._run, name="loom-engine", daemon=True)
 
     def start(self, client: EngineClient) -> None:
         self._client = client
-        self._thread.start()
+        super().start(client)
         client.on_engine_ready()
 
     def add_request(self, request: AddRequest) -> None:
@@ -77,13 +78,12 @@ class InprocCoreConnection(CoreConnection):
             commands, self._commands = self._commands, []
         return commands
 
-    def _run(self) -> None:
-        assert self._client is not None
+    def _run(self, client: EngineClient) -> None:
         try:
-            self.core.run(self, self._client.on_outputs)
+            self.core.run(self, client.on_outputs)
         except BaseException as e:  # the engine cannot go on; say so to every request
             logger.exception("The engine thread died")
-            self._client.on_engine_dead(f"{self.name} died: {type(e).__name__}: {e}")
+            client.on_engine_dead(f"{self.name} died: {type(e).__name__}: {e}")
 
 
 class InprocAsyncLLM(EngineClient):

@@ -63,12 +63,12 @@ def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge
     processes += [ProcessPlan(role="worker", rank=rank, env=wenv,
                               argv=[python, "-m", "loom.worker.proc", "--rank", str(rank)])
                   for rank in range(tp)]
-    defaults = ServerConfig()
+    limits = server or ServerConfig()  # the workers of loom.LLM run under the server's default limits
     return Plan(
         processes=processes,
         config=pickle.dumps(config),
-        startup_timeout_s=float((server or defaults).startup_timeout),
-        grace_period_s=float((server or defaults).grace_period),
+        startup_timeout_s=float(limits.startup_timeout),
+        grace_period_s=float(limits.grace_period),
         max_frame_bytes=MAX_FRAME_BYTES,
         ready_url=server.ready_url if server is not None else None,
         messages_version=MESSAGES_VERSION,

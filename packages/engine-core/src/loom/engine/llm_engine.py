@@ -76,8 +76,7 @@ class LLMEngine:
         """Queue a request; ``n > 1`` fans out into children ``f"{request_id}_{i}"``."""
         self._validate(request_id, prompt_token_ids, sampling_params)
         n = sampling_params.n
-        child_ids = [request_id] if n == 1 else [f"{request_id}_{i}" for i in range(n)]
-        if any(c in self.scheduler.requests for c in child_ids):
+        if any(c in self.scheduler.requests for c in self.output_processor.child_ids(request_id, n)):
             raise ValueError(f"request id {request_id!r} collides with a running request's id")
         children = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, sampling_params, stream=stream, arrival=self._arrival,

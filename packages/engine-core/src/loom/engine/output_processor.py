@@ -61,6 +61,11 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._groups)
 
+    @staticmethod
+    def child_ids(request_id: str, n: int) -> list[str]:
+        """The ids of a request's ``n`` completions: its own id alone, or ``f"{request_id}_{i}"``."""
+        return [request_id] if n == 1 else [f"{request_id}_{i}" for i in range(n)]
+
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, *,
         stream: bool, arrival: Iterator[int], eos_token_id: int | None,
@@ -69,11 +74,10 @@ class OutputProcessor:
         n = params.n
         children: list[Request] = []
         group = _Group(request_id, prompt, prompt_token_ids, stream, children)
-        for i in range(n):
+        for i, child_id in enumerate(self.child_ids(request_id, n)):
             if n == 1:
-                child_id, child_params = request_id, params
+                child_params = params
             else:
-                child_id = f"{request_id}_{i}"
                 seed = params.seed + i if params.seed is not None else None
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             children.append(Request(

@@ -1,5 +1,7 @@
 """A child's connection to the supervisor: typed messages over supervisor frames.
 
+Only processes the supervisor runs import this module (it needs the loom-supervisor wheel).
+
 Every child of a serve starts the same way: connect to the socket the supervisor named
 in ``LOOM_SUPERVISOR_SOCKET``, send HELLO (role, rank, pid, ``MESSAGES_VERSION``), receive
 CONFIG (the pickled ``LoomConfig`` the CLI process built), and later send READY.
@@ -10,14 +12,14 @@ from __future__ import annotations
 import os
 import pickle
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from loom_supervisor import client
+from loom_supervisor.client import Client, PeerDied, ProtocolError
 
 from ..logger import init_logger
 from .codec import encode
 from .messages import MESSAGES_VERSION, Kind, Shutdown, decode_body, kind_of
-
-if TYPE_CHECKING:
-    from loom_supervisor.client import Client
 
 logger = init_logger(__name__)
 
@@ -38,19 +40,13 @@ class Channel:
     """Blocking send/recv of typed messages through the supervisor (thread-safe per direction)."""
 
     def __init__(self, conn: Client, name: str, config_bytes: bytes = b"") -> None:
-        from loom_supervisor import client  # lazy: the supervisor wheel is needed only by processes it runs
-
         self.name = name
-        self._peer_died = client.PeerDied
-        self._malformed = (ValueError, TypeError, KeyError, client.ProtocolError)
         self._conn = conn
         self._config_bytes = config_bytes
 
     @classmethod
     def connect(cls, role: str, rank: int = 0) -> Channel:
         """Connect to the supervisor that spawned this process: HELLO, then CONFIG."""
-        from loom_supervisor import client  # lazy: the supervisor wheel is needed only by processes it runs
-
         conn = client.connect(os.environ[client.ENV_SOCKET], role, rank)
         config_bytes = conn.hello(role, rank, MESSAGES_VERSION)
         return cls(conn, role_name(role, rank), config_bytes)
@@ -78,12 +74,12 @@ class Channel:
             try:
                 kind = Kind(frame.kind)
                 if kind is Kind.PEER_DIED:
-                    body: Any = self._peer_died.from_frame(frame)
+                    body: Any = PeerDied.from_frame(frame)
                 elif kind is Kind.SHUTDOWN:
                     body = Shutdown()
                 else:
                     body = decode_body(kind, frame.body)
-            except self._malformed as e:
+            except (ValueError, TypeError, KeyError, ProtocolError) as e:
                 logger.error("Dropped a %s frame from %s that does not decode: %s", frame.kind, frame.src, e)
                 if frame.kind != Kind.PEER_DIED.value:
                     continue
