@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+import pytest
 from loom import LLM, SamplingParams
 
 
 def test_default_model_knows_paris():
-    llm = LLM()
+    llm = LLM(dtype="float32")  # pinned: on a CPU with native bf16, auto would pick bfloat16
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))
     text = out[0].outputs[0].text
@@ -17,11 +19,17 @@ def test_default_model_knows_paris():
     assert out[0].outputs[0].finish_reason in ("stop", "length")
 
 
-def test_cli_generate_with_default_model():
+@pytest.mark.parametrize(("cpu_bf16", "dtype"), [("1", "bfloat16"), ("0", "float32")])
+def test_cli_generate_with_default_model(cpu_bf16, dtype):
+    """``dtype`` auto: the GGUF model loads into bf16 where the CPU computes it natively
+    (``LOOM_CPU_BF16`` stands for the CPU's flags), into fp32 elsewhere, and answers either way."""
     proc = subprocess.run(
         [sys.executable, "-m", "loom.entrypoints.cli.main", "generate", "What is the capital of France?",
          "--max-tokens", "24"],
         capture_output=True, text=True, timeout=300,
+        env={**os.environ, "LOOM_CPU_BF16": cpu_bf16, "LOOM_LOGGING_LEVEL": "INFO"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"dtype auto resolved to {dtype}: LOOM_CPU_BF16={cpu_bf16}" in proc.stderr, proc.stderr[-3000:]
+    assert f", {dtype}) from " in proc.stderr, proc.stderr[-3000:]  # "Loaded ARCH (CLASS, DTYPE) from ..."
     assert "Paris" in proc.stdout

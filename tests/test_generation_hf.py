@@ -45,7 +45,7 @@ def test_greedy_matches_hf(request, model_fixture):
 
 
 def test_text_prompts_and_prefix_cache_agree(tiny_llama):
-    llm = LLM(str(tiny_llama), max_model_len=256)
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=256)
     tokenizer = llm.get_tokenizer()
     shared = "The quick brown fox jumps over the lazy dog. " * 4
     prompts = [shared + "Once", shared + "Twice", shared + "Once"]

@@ -61,7 +61,7 @@ for tp in (1, 2):
     print("GENERATE", tp, flush=True)
     with open(os.environ["PROBE_LOG"], "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "rank": None, "event": "generate", "detail": tp}) + "\n")
-    llm = LLM(model, max_model_len=128, tensor_parallel_size=tp)
+    llm = LLM(model, dtype="float32", max_model_len=128, tensor_parallel_size=tp)
     result[f"tp{tp}"] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.shutdown()
 print("RESULT " + json.dumps(result))

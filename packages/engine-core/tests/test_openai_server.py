@@ -126,7 +126,8 @@ def plugin_dist(tmp_path_factory):
 def engine_client(tmp_path_factory, plugin_dist):
     path = _build_tiny_llama(tmp_path_factory.mktemp("models") / "llama")
     client = InprocAsyncLLM.from_engine_args(
-        EngineArgs(model=str(path), served_model_name=MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=32),
+        EngineArgs(model=str(path), served_model_name=MODEL, dtype="float32", max_model_len=MAX_MODEL_LEN,
+                   max_num_seqs=32),
         log_stats_interval=1.0,
     )
     client.tokenizer.chat_template = TEMPLATE

@@ -30,7 +30,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "LOOM_ATTENTION_BACKEND": _str_or_none("LOOM_ATTENTION_BACKEND"),
     # GiB of memory the CPU platform gives the KV cache (default: what the model needs, at most 4).
     "LOOM_CPU_KVCACHE_SPACE": _str_or_none("LOOM_CPU_KVCACHE_SPACE"),
-    # Where converted weights (GGUF -> safetensors) are cached.
+    # Whether the CPU computes bf16 natively, for dtype "auto" on host platforms: "1" or "0";
+    # unset (or "") = read the avx512_bf16 / amx_bf16 flags from /proc/cpuinfo.
+    "LOOM_CPU_BF16": _str_or_none("LOOM_CPU_BF16"),
+    # "0" keeps the CPU attention on torch ops instead of the kernels compiled on this machine.
+    "LOOM_CPU_NATIVE_KERNELS": lambda: os.environ.get("LOOM_CPU_NATIVE_KERNELS", "1") != "0",
+    # Where converted weights (GGUF -> safetensors) and compiled CPU kernels are cached.
     "LOOM_CACHE_DIR": lambda: os.environ.get(
         "LOOM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "loom")
     ),

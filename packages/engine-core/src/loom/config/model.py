@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from loom_plugin_api import (
@@ -14,6 +14,7 @@ from loom_plugin_api import (
 )
 
 from ..logger import init_logger
+from ..platforms.cpu_features import native_bf16
 from ..transformers_utils.config import get_hf_config, resolve_model_path
 
 if TYPE_CHECKING:
@@ -41,6 +42,10 @@ class ModelConfig:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int | None = 0
     served_model_name: str | None = None
+    device_type: InitVar[str | None] = None
+    """The platform's ``device_type``: ``auto`` follows the CPU's bf16 support on ``"cpu"``."""
+    platform_dtypes: InitVar[tuple[str, ...] | None] = None
+    """The platform's ``supported_dtypes``: ``auto`` on the host picks bf16 only if listed."""
     # resolved in __post_init__
     model_path: str = field(init=False)
     model_format: str = field(init=False)
@@ -48,7 +53,7 @@ class ModelConfig:
     architecture: str = field(init=False)
     model_info: ModelInfo = field(init=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, device_type: str | None, platform_dtypes: tuple[str, ...] | None) -> None:
         self.model_path, self.model_format = resolve_model_path(self.model)
         if self.served_model_name is None:
             self.served_model_name = self.model or "SmolLM2-135M-Instruct"
@@ -57,7 +62,7 @@ class ModelConfig:
             raise ValueError(f"--hf-overrides must be a JSON object, got {self.hf_overrides!r}")
         for key, value in self.hf_overrides.items():
             setattr(self.hf_config, key, value)
-        self.dtype = self._resolve_dtype(self.dtype)
+        self.dtype = self._resolve_dtype(self.dtype, device_type, platform_dtypes)
         architectures = list(getattr(self.hf_config, "architectures", None) or [])
         if not architectures:
             raise ValueError(
@@ -91,18 +96,38 @@ class ModelConfig:
 
         return getattr(torch, str(self.dtype))
 
-    def _resolve_dtype(self, dtype: Any) -> str:
+    def _resolve_dtype(self, dtype: Any, device_type: str | None, platform_dtypes: tuple[str, ...] | None) -> str:
         if not isinstance(dtype, str):  # a torch.dtype, e.g. LLM(dtype=torch.bfloat16)
             dtype = str(dtype).removeprefix("torch.")
-        if dtype == "auto":
-            config_dtype = _DTYPES.get(str(getattr(self.hf_config, "dtype", None)).removeprefix("torch."))
-            # Half precision on CPU is slow and lossy; quantized GGUF weights dequantize to fp32.
-            if config_dtype in ("float32", "bfloat16") and self.model_format != "gguf":
-                return config_dtype
-            return "float32"
-        if dtype not in _DTYPES:
-            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-        return _DTYPES[dtype]
+        if dtype != "auto":
+            if dtype not in _DTYPES:
+                raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+            return _DTYPES[dtype]
+        raw = getattr(self.hf_config, "dtype", None)
+        config_dtype = _DTYPES.get(str(raw).removeprefix("torch.")) if raw is not None else "float32"
+        gguf = self.model_format == "gguf"
+        source = "the checkpoint is GGUF" if gguf else f"the checkpoint's dtype is {raw or 'unset (float32)'}"
+        if device_type == "cpu":
+            dtype, why = self._host_auto(config_dtype, source, platform_dtypes)
+        else:  # other devices: the checkpoint's fp32 or bf16; quantized GGUF weights dequantize to fp32
+            dtype = config_dtype if config_dtype in ("float32", "bfloat16") and not gguf else "float32"
+            why = f"{source}; on {device_type}, auto keeps an fp32 or bf16 checkpoint's dtype, else fp32"
+        logger.info("dtype auto resolved to %s: %s", dtype, why)
+        return dtype
+
+    def _host_auto(self, config_dtype: str | None, source: str,
+                   platform_dtypes: tuple[str, ...] | None) -> tuple[str, str]:
+        """``auto`` on a platform that computes on the host, and why: bf16 where the CPU computes
+        it natively (``avx512_bf16`` / ``amx_bf16``, as vLLM) and the checkpoint is a 16/32-bit
+        float or GGUF, else fp32. Resolved once, where the config is built, without torch."""
+        bf16, why = native_bf16()
+        if not bf16:
+            return "float32", why
+        if config_dtype is None and self.model_format != "gguf":
+            return "float32", f"{why}, but {source}, not a 16/32-bit float"
+        if platform_dtypes is not None and "bfloat16" not in platform_dtypes:
+            return "float32", f"{why}, but the platform does not declare bfloat16"
+        return "bfloat16", f"{why} and {source}"
 
     def _derived_max_model_len(self) -> int:
         for key in ("max_position_embeddings", "n_positions", "max_seq_len"):

@@ -101,7 +101,8 @@ class EngineArgs:
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, hf_overrides=dict(self.hf_overrides), seed=self.seed,
-            served_model_name=self.served_model_name,
+            served_model_name=self.served_model_name, device_type=device_config.device_type,
+            platform_dtypes=tuple(current_platform.supported_dtypes),
         )
         max_len = model_config.max_model_len
         assert max_len is not None
