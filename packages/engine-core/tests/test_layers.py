@@ -77,8 +77,9 @@ def test_layer_norm_matches_torch():
 def test_silu_and_mul_and_act_fn():
     x = torch.randn(4, 10)
     torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :5]) * x[:, 5:])
-    torch.testing.assert_close(get_act_fn("relu")(x), F.relu(x))
-    torch.testing.assert_close(get_act_fn("gelu_new")(x), F.gelu(x, approximate="tanh"))
+    torch.testing.assert_close(get_act_fn("relu")(x.clone()), F.relu(x))
+    torch.testing.assert_close(get_act_fn("silu")(x.clone()), F.silu(x))
+    torch.testing.assert_close(get_act_fn("gelu_new")(x.clone()), F.gelu(x, approximate="tanh"))
     with pytest.raises(ValueError, match="activation 'nope' is not supported"):
         get_act_fn("nope")
 

@@ -1,9 +1,11 @@
 """Paged attention in plain torch (``scaled_dot_product_attention``), for CPU memory.
 
 Cache layout per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)``.
-Decode requests (one new token) run as one batched SDPA over K/V gathered through
-their block tables; prefill chunks run one request at a time, causal over the cached
-prefix plus the chunk. Gather plans are built once per step and shared by all layers.
+Decode requests (one new token) run through the paged-decode kernel compiled on this
+machine (``native.py``), which reads K/V through the block tables in place; where that
+kernel is not available they run as one batched SDPA over K/V gathered through their block
+tables. Prefill chunks run one request at a time, causal over the cached prefix plus the
+chunk. Gather plans are built once per step and shared by all layers.
 """
 
 from __future__ import annotations
@@ -15,12 +17,18 @@ import torch
 import torch.nn.functional as F
 from loom_plugin_api import AttentionBackend, AttentionImpl, AttentionMetadata
 
+from . import native
+
 
 @dataclass(slots=True)
 class _DecodePlan:
     token_idx: torch.Tensor  # (Bd,) flat token index of each decode request
-    slots: torch.Tensor  # (Bd, max_ctx) cache slot per context position (padding -> valid slot)
-    mask: torch.Tensor  # (Bd, 1, 1, max_ctx) True where the key is in context
+    rows: torch.Tensor  # (Bd,) request row of each decode request (in the block tables)
+    ctx: torch.Tensor  # (Bd,) context length of each decode request
+    max_ctx: int
+    slots: torch.Tensor | None  # (Bd, max_ctx) cache slot per context position (padding -> valid slot)
+    mask: torch.Tensor | None  # (Bd, 1, 1, max_ctx) True where the key is in context
+    # slots and mask are built only for the gather path (no native kernel)
 
 
 @dataclass(slots=True)
@@ -66,9 +74,11 @@ def _context_slots(block_table: torch.Tensor, length: int, block_size: int) -> t
     return block_table[pos // block_size] * block_size + pos % block_size
 
 
-def build_plan(md: AttentionMetadata) -> _Plan:
-    """Gather indices and masks for this step (computed once, reused by every layer)."""
-    plan = md.scratch.get("torch_sdpa_plan")
+def build_plan(md: AttentionMetadata, gather_decode: bool = True) -> _Plan:
+    """Gather indices and masks for this step (computed once, reused by every layer); the
+    decode requests' gather indices only when ``gather_decode`` (no native kernel)."""
+    key = f"torch_sdpa_plan_{int(gather_decode)}"
+    plan = md.scratch.get(key)
     if plan is not None:
         return plan
     bs = md.block_size
@@ -79,16 +89,17 @@ def build_plan(md: AttentionMetadata) -> _Plan:
     decode = None
     if decode_rows:
         rows = torch.tensor(decode_rows, dtype=torch.long)
-        ctx = md.seq_lens[rows]
-        max_ctx = int(ctx.max())
-        pos = torch.arange(max_ctx)
-        valid = pos.unsqueeze(0) < ctx.unsqueeze(1)  # (Bd, max_ctx)
-        pos_c = torch.where(valid, pos.unsqueeze(0), 0)
-        tables = md.block_tables[rows]
-        slots = torch.gather(tables, 1, pos_c // bs) * bs + pos_c % bs
-        decode = _DecodePlan(
-            token_idx=md.query_start_loc[rows], slots=slots, mask=valid[:, None, None, :],
-        )
+        ctx = md.seq_lens[rows].contiguous()
+        max_ctx = max(seq_lens[i] for i in decode_rows)
+        decode = _DecodePlan(token_idx=md.query_start_loc[rows].contiguous(), rows=rows, ctx=ctx,
+                             max_ctx=max_ctx, slots=None, mask=None)
+        if gather_decode:
+            pos = torch.arange(max_ctx)
+            valid = pos.unsqueeze(0) < ctx.unsqueeze(1)  # (Bd, max_ctx)
+            pos_c = torch.where(valid, pos.unsqueeze(0), 0)
+            tables = md.block_tables[rows]
+            decode.slots = torch.gather(tables, 1, pos_c // bs) * bs + pos_c % bs
+            decode.mask = valid[:, None, None, :]
     prefills = []
     for i, q in enumerate(q_lens):
         if q == 1:
@@ -102,7 +113,7 @@ def build_plan(md: AttentionMetadata) -> _Plan:
             mask = torch.arange(ctx).unsqueeze(0) <= qpos
         prefills.append(_PrefillItem(starts[i], starts[i] + q, slots, mask))
     plan = _Plan(decode, prefills)
-    md.scratch["torch_sdpa_plan"] = plan
+    md.scratch[key] = plan
     return plan
 
 
@@ -112,6 +123,8 @@ class TorchSDPAImpl(AttentionImpl):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.group = num_heads // num_kv_heads
+        # Built (or found in the cache) when the model is built, not at the first request.
+        self._kernel = native.paged_decode()
 
     def forward(
         self,
@@ -128,10 +141,18 @@ class TorchSDPAImpl(AttentionImpl):
         v_cache = kv_cache[1].view(-1, Hk, D)
         k_cache.index_copy_(0, attn_metadata.slot_mapping, key.view(T, Hk, D))
         v_cache.index_copy_(0, attn_metadata.slot_mapping, value.view(T, Hk, D))
-        plan = build_plan(attn_metadata)
+        kernel = self._kernel if self._kernel is not None and self._kernel.supports(query.dtype, D) else None
+        plan = build_plan(attn_metadata, gather_decode=kernel is None)
+        if query.stride(-1) != 1:
+            query = query.contiguous()
         q = query.view(T, H, D)
-        out = torch.empty_like(q)
-        if plan.decode is not None:
+        out = torch.empty(T, H, D, dtype=query.dtype, device=query.device)
+        if plan.decode is not None and kernel is not None:
+            d = plan.decode
+            kernel(query, d.token_idx, d.rows, k_cache, v_cache, attn_metadata.block_tables, d.ctx,
+                   out.view(T, H * D), num_heads=H, block_size=attn_metadata.block_size, max_ctx=d.max_ctx,
+                   scale=self.scale)
+        elif plan.decode is not None:
             d = plan.decode
             Bd = d.token_idx.shape[0]
             # Fold the query heads of a KV group into the query-length axis: (Bd, Hk, g, D).

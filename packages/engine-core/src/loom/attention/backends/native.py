@@ -1,0 +1,177 @@
+"""CPU kernels compiled on this machine, for the torch SDPA backend's decode path.
+
+``paged_decode.c`` is plain C over raw pointers: the system C compiler builds it in well
+under a second with ``-march=native`` (so every CPU gets the vector instructions it has),
+the result is cached under ``<LOOM_CACHE_DIR>/kernels/`` keyed by the source, the flags, the
+compiler and the CPU, and ``ctypes`` calls it (the call releases the GIL). A torch C++
+extension would give the same kernel but takes tens of seconds to compile against torch's
+headers on two cores. Where no compiler is found, the build fails, the loaded kernel
+disagrees with torch on a small check, or ``LOOM_CPU_NATIVE_KERNELS=0``, ``paged_decode()``
+returns None and the backend keeps its torch path; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+
+import torch
+
+from ... import envs
+from ...logger import init_logger
+
+logger = init_logger(__name__)
+
+_SOURCE = "paged_decode.c"
+_FLAGS = [
+    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+    # let the compiler vectorize float reductions (dot products, sums) across lanes
+    "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+]
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
+             _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float]
+
+
+class NativeKernelError(RuntimeError):
+    pass
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU model and its flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f.read().split("\n\n")[0].splitlines()
+                     if ln.startswith(("model name", "flags", "vendor_id", "cpu family", "model\t"))]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise NativeKernelError("no C compiler found (cc, gcc or clang on PATH, or CC)")
+    return cc
+
+
+def _build(cc: str, source: bytes) -> str:
+    """Compile ``source`` unless a build with the same key is cached; return the .so path."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join(
+        [source, " ".join(_FLAGS).encode(), version.encode(), _cpu_signature().encode()])).hexdigest()[:16]
+    folder = os.path.join(envs.LOOM_CACHE_DIR, "kernels")
+    path = os.path.join(folder, f"paged_decode-{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(folder, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src = os.path.join(tmp, _SOURCE)
+        with open(src, "wb") as f:
+            f.write(source)
+        out = os.path.join(tmp, "kernel.so")
+        proc = subprocess.run([cc, *_FLAGS, "-o", out, src, "-lm"], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise NativeKernelError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}")
+        os.replace(out, path)  # atomic: another worker building the same key races harmlessly
+    logger.info("Compiled the CPU paged-attention kernel into %s", path)
+    return path
+
+
+class PagedDecode:
+    """Decode attention straight from the paged cache; see ``paged_decode.c`` for layouts."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {}
+        for dtype, suffix in _SUFFIX.items():
+            fn = getattr(lib, f"paged_decode_{suffix}")
+            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+            self._fns[dtype] = fn
+
+    def supports(self, dtype: torch.dtype, head_size: int) -> bool:
+        return dtype in self._fns and head_size % 8 == 0 and head_size <= 256
+
+    def __call__(self, query: torch.Tensor, rows_q: torch.Tensor, rows_req: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
+                 out: torch.Tensor, *, num_heads: int, block_size: int, max_ctx: int, scale: float) -> None:
+        """Write into ``out`` the attention of query rows ``rows_q`` over their contexts.
+
+        ``query``/``out``: (T, H*D), unit inner stride; ``k_cache``/``v_cache``: (slots, Hk, D)
+        contiguous; ``rows_q``, ``rows_req`` (row of ``tables``) and ``ctx_lens``: (B,) int64;
+        ``tables``: (R, max_blocks) int64 with unit inner stride. Shapes are the caller's to
+        get right (the backend builds them once per step); dtypes and strides are checked.
+        """
+        fn = self._fns[query.dtype]
+        _, hk, d = k_cache.shape
+        if not (query.dtype == k_cache.dtype == v_cache.dtype == out.dtype and query.stride(1) == out.stride(1) == 1
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and tables.stride(1) == 1
+                and all(t.dtype == torch.int64 and t.is_contiguous() for t in (rows_q, rows_req, ctx_lens))):
+            raise ValueError("paged_decode: dtypes or strides do not match the kernel's layout")
+        rc = fn(query.data_ptr(), query.stride(0), rows_q.data_ptr(), rows_req.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                ctx_lens.data_ptr(), out.data_ptr(), out.stride(0), rows_q.shape[0], num_heads, hk, d,
+                block_size, max_ctx, torch.get_num_threads(), scale)
+        if rc == 2:
+            raise ValueError(f"paged_decode: head size {d} is not a multiple of 8 up to 256, or {num_heads} "
+                             f"heads are not a multiple of {hk} KV heads")
+        if rc:
+            raise MemoryError("the CPU paged-attention kernel could not allocate its scratch memory")
+
+
+def _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx_lens, num_heads, block_size, scale):
+    """The same attention in torch ops, one request at a time (the self-check's answer)."""
+    _, hk, d = k_cache.shape
+    out = []
+    for rq, rr, n in zip(rows_q.tolist(), rows_req.tolist(), ctx_lens.tolist()):
+        pos = torch.arange(n)
+        slots = tables[rr][pos // block_size] * block_size + pos % block_size
+        k = k_cache[slots].float().repeat_interleave(num_heads // hk, dim=1).transpose(0, 1)  # (H, n, D)
+        v = v_cache[slots].float().repeat_interleave(num_heads // hk, dim=1).transpose(0, 1)
+        q = query[rq].float().view(num_heads, 1, d)
+        out.append(torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1) @ v)
+    return torch.stack(out).view(len(out), -1)
+
+
+def _self_check(kernel: PagedDecode) -> None:
+    """A small GQA problem with scattered blocks, per dtype, against ``_reference``."""
+    g = torch.Generator().manual_seed(0)
+    h, hk, d, bs, blocks = 4, 2, 16, 4, 12
+    tables = torch.randperm(blocks, generator=g).view(3, 4)
+    ctx = torch.tensor([13, 1, 16])
+    rows_q, rows_req = torch.tensor([2, 0, 1]), torch.tensor([0, 2, 1])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        query = torch.randn(3, h * d + 8, generator=g).to(dtype)[:, : h * d]  # strided rows, like a qkv split
+        k_cache, v_cache = (torch.randn(blocks * bs, hk, d, generator=g).to(dtype) for _ in range(2))
+        out = torch.zeros(3, h * d, dtype=dtype)
+        kernel(query, rows_q, rows_req, k_cache, v_cache, tables, ctx, out, num_heads=h, block_size=bs,
+               max_ctx=16, scale=d**-0.5)
+        want = _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx, h, bs, d**-0.5)
+        if not torch.allclose(out[rows_q].float(), want, atol=tol, rtol=tol):
+            raise NativeKernelError(f"the compiled kernel disagrees with torch in {dtype} "
+                                    f"(max error {(out[rows_q].float() - want).abs().max():.3g})")
+
+
+@functools.cache
+def paged_decode() -> PagedDecode | None:
+    """The compiled decode kernel, or None (the reason logged once) where it cannot be had."""
+    if not envs.LOOM_CPU_NATIVE_KERNELS:
+        logger.info("LOOM_CPU_NATIVE_KERNELS=0: CPU decode attention runs on torch ops")
+        return None
+    try:
+        source = resources.files(__package__).joinpath(_SOURCE).read_bytes()
+        kernel = PagedDecode(ctypes.CDLL(_build(_compiler(), source)))
+        _self_check(kernel)
+        return kernel
+    except (NativeKernelError, OSError, subprocess.SubprocessError, AttributeError) as e:
+        logger.warning("CPU paged-attention kernel unavailable, decode attention runs on torch ops "
+                       "(slower): %s. Install a C compiler with OpenMP (gcc) to enable it, or set "
+                       "LOOM_CPU_NATIVE_KERNELS=0 to silence this.", e)
+        return None

@@ -1,0 +1,157 @@
+/* Paged attention for decode requests (one query token each), on the CPU.
+ *
+ * Reads K and V straight from the paged cache through each request's block table, so no
+ * gathered copy of the context is made. Built by loom.attention.backends.native with the
+ * machine's compiler (-O3 -march=native) the first time a worker needs it, and cached.
+ * Vectors are GCC/clang vector extensions of 8 floats: the compiler maps them to the widest
+ * SIMD the CPU has (AVX2 and AVX-512 on x86, NEON pairs on Arm), with no intrinsics.
+ *
+ * Layouts (element strides; every tensor is row-major):
+ *   query    rows of a (T, q_stride) matrix; head h of row r at query + r*q_stride + h*D
+ *   k_cache  (num_slots, Hk, D), contiguous; slot = block * block_size + offset
+ *   v_cache  same as k_cache
+ *   tables   (num_requests, bt_stride) int64 block numbers
+ *   out      rows like query, with out_stride
+ * Decode request b reads query row rows_q[b], request row rows_req[b] of the tables and
+ * ctx_lens[b] tokens of context. The query heads of one KV head (GQA group of g = H / Hk)
+ * are scored together so each K and V vector is read once per group. D % 8 == 0.
+ *
+ * Threads: OpenMP. Loaded after torch, so libgomp.so.1 resolves to the one torch loaded and
+ * this kernel shares torch's thread pool (one pool, no second set of spinning threads).
+ */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef _Float16 v8f16 __attribute__((vector_size(16)));
+typedef uint16_t bf16_t;
+typedef _Float16 f16_t;
+
+static inline v8f load_f32(const float *p) { v8f x; memcpy(&x, p, sizeof x); return x; }
+static inline v8f load_bf16(const bf16_t *p) {
+    v8h h; memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f x; memcpy(&x, &u, sizeof x); return x;
+}
+static inline v8f load_f16(const f16_t *p) {
+    v8f16 h; memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, v8f);
+}
+
+static inline bf16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((v.u >> 16) | 0x40); /* quiet NaN */
+    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u); /* round to nearest, ties to even */
+    return (bf16_t)((v.u + rounding) >> 16);
+}
+static inline float store_f32(float x) { return x; }
+static inline bf16_t store_bf16(float x) { return f32_to_bf16(x); }
+static inline f16_t store_f16(float x) { return (f16_t)x; }
+
+static inline float hsum(v8f x) {
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+#define MAX_DV 32  /* D / 8 up to 256 */
+
+#define SLOT(u) (table[(u) / block_size] * block_size + (u) % block_size)
+
+#define DEFINE_PAGED_DECODE(NAME, T)                                                            \
+int paged_decode_##NAME(                                                                        \
+    const T *query, int64_t q_stride, const int64_t *rows_q, const int64_t *rows_req,          \
+    const T *k_cache, const T *v_cache, const int64_t *tables, int64_t bt_stride,              \
+    const int64_t *ctx_lens, T *out, int64_t out_stride, int64_t B, int64_t H, int64_t Hk,     \
+    int64_t D, int64_t block_size, int64_t max_ctx, int nthreads, float scale) {               \
+    if (D % 8 || D / 8 > MAX_DV || H % Hk) return 2;                                           \
+    const int64_t g = H / Hk, dv = D / 8, row = Hk * D;                                        \
+    /* work items: a request and a range of its KV heads. A request's block is contiguous     \
+     * (block_size x Hk x D), so walking all its heads token by token streams memory; split    \
+     * the heads only when there are too few requests to keep every thread busy. */            \
+    int64_t parts = (2 * (int64_t)nthreads + B - 1) / B;                                       \
+    if (parts > Hk) parts = Hk;                                                                \
+    if (parts < 1) parts = 1;                                                                  \
+    const int64_t hpi = (Hk + parts - 1) / parts, per_req = (Hk + hpi - 1) / hpi;              \
+    const int64_t items = B * per_req, rows_max = hpi * g;                                     \
+    int failed = 0;                                                                            \
+    _Pragma("omp parallel num_threads(nthreads)")                                              \
+    {                                                                                          \
+        /* per thread: scores (hpi*g x max_ctx), the item's queries and accumulators */         \
+        float *scores = malloc(sizeof(float) * (size_t)(rows_max * max_ctx));                  \
+        v8f *qv = aligned_alloc(sizeof(v8f), sizeof(v8f) * (size_t)(rows_max * dv));           \
+        v8f *acc = aligned_alloc(sizeof(v8f), sizeof(v8f) * (size_t)(rows_max * dv));          \
+        if (!scores || !qv || !acc) {                                                          \
+            _Pragma("omp atomic write") failed = 1;                                            \
+        } else {                                                                               \
+            const int nt = omp_get_num_threads(), tid = omp_get_thread_num();                  \
+            for (int64_t it = tid; it < items; it += nt) {                                     \
+                const int64_t b = it / per_req, kh0 = (it % per_req) * hpi;                    \
+                const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, nr = (kh1 - kh0) * g;     \
+                const int64_t ctx = ctx_lens[b];                                               \
+                const int64_t *table = tables + rows_req[b] * bt_stride;                       \
+                const T *qrow = query + rows_q[b] * q_stride + kh0 * g * D;                    \
+                for (int64_t j = 0; j < nr * dv; j++) qv[j] = load_##NAME(qrow + 8 * j) * scale;\
+                int64_t t = 0;                                                                 \
+                for (; t + 4 <= ctx; t += 4) { /* four keys at once: four independent chains */\
+                    const T *k0 = k_cache + SLOT(t) * row, *k1 = k_cache + SLOT(t + 1) * row;  \
+                    const T *k2 = k_cache + SLOT(t + 2) * row, *k3 = k_cache + SLOT(t + 3) * row; \
+                    for (int64_t r = 0; r < nr; r++) {                                         \
+                        const int64_t off = (kh0 + r / g) * D;                                 \
+                        const v8f *q = qv + r * dv;                                            \
+                        v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                            \
+                        for (int64_t d = 0; d < dv; d++) {                                     \
+                            a0 += q[d] * load_##NAME(k0 + off + 8 * d);                        \
+                            a1 += q[d] * load_##NAME(k1 + off + 8 * d);                        \
+                            a2 += q[d] * load_##NAME(k2 + off + 8 * d);                        \
+                            a3 += q[d] * load_##NAME(k3 + off + 8 * d);                        \
+                        }                                                                      \
+                        float *s = scores + r * max_ctx + t;                                   \
+                        s[0] = hsum(a0); s[1] = hsum(a1); s[2] = hsum(a2); s[3] = hsum(a3);    \
+                    }                                                                          \
+                }                                                                              \
+                for (; t < ctx; t++) {                                                         \
+                    const T *k0 = k_cache + SLOT(t) * row;                                     \
+                    for (int64_t r = 0; r < nr; r++) {                                         \
+                        const int64_t off = (kh0 + r / g) * D;                                 \
+                        v8f a0 = {0};                                                          \
+                        for (int64_t d = 0; d < dv; d++) a0 += qv[r * dv + d] * load_##NAME(k0 + off + 8 * d); \
+                        scores[r * max_ctx + t] = hsum(a0);                                    \
+                    }                                                                          \
+                }                                                                              \
+                for (int64_t r = 0; r < nr; r++) { /* softmax over the context */              \
+                    float *sr = scores + r * max_ctx;                                          \
+                    float m = sr[0], sum = 0.f;                                                \
+                    for (int64_t u = 1; u < ctx; u++) m = sr[u] > m ? sr[u] : m;               \
+                    for (int64_t u = 0; u < ctx; u++) { sr[u] = expf(sr[u] - m); sum += sr[u]; }\
+                    const float inv = 1.f / sum;                                               \
+                    for (int64_t u = 0; u < ctx; u++) sr[u] *= inv;                            \
+                }                                                                              \
+                memset(acc, 0, sizeof(v8f) * (size_t)(nr * dv));                               \
+                for (int64_t u = 0; u < ctx; u++) {                                            \
+                    const T *v0 = v_cache + SLOT(u) * row + kh0 * D;                           \
+                    for (int64_t r = 0; r < nr; r++) {                                         \
+                        const float w = scores[r * max_ctx + u];                               \
+                        const T *vr = v0 + (r / g) * D;                                        \
+                        v8f *a = acc + r * dv;                                                 \
+                        for (int64_t d = 0; d < dv; d++) a[d] += w * load_##NAME(vr + 8 * d);  \
+                    }                                                                          \
+                }                                                                              \
+                T *orow = out + rows_q[b] * out_stride + kh0 * g * D;                          \
+                for (int64_t j = 0; j < nr * dv; j++)                                          \
+                    for (int e = 0; e < 8; e++) orow[8 * j + e] = store_##NAME(acc[j][e]);     \
+            }                                                                                  \
+        }                                                                                      \
+        free(scores); free(qv); free(acc);                                                     \
+    }                                                                                          \
+    return failed;                                                                             \
+}
+
+DEFINE_PAGED_DECODE(f32, float)
+DEFINE_PAGED_DECODE(bf16, bf16_t)
+DEFINE_PAGED_DECODE(f16, f16_t)

@@ -1,0 +1,186 @@
+"""The CPU paged-decode kernel (compiled on this machine) against torch, and the backend's use of it.
+
+The matrix always has a C compiler (the supervisor's build needs one), so the kernel must
+build here: a test that found it missing would fail, not skip.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+from loom import envs
+from loom.attention.backends import native
+from loom.attention.backends.torch_sdpa import TorchSDPAImpl
+from loom_plugin_api import AttentionMetadata
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """``native.paged_decode`` built anew into an empty LOOM_CACHE_DIR (the environment as set)."""
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    envs._disable_envs_cache_for_tests()
+    native.paged_decode.cache_clear()
+    yield native.paged_decode
+    native.paged_decode.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = native.paged_decode()
+    assert k is not None, "the CPU paged-decode kernel did not build (see the warning logged above)"
+    return k
+
+
+def _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx, num_heads, block_size, scale):
+    """Each request alone: its context gathered position by position, softmax in float64."""
+    _, hk, d = k_cache.shape
+    outs = []
+    for rq, rr, n in zip(rows_q.tolist(), rows_req.tolist(), ctx.tolist()):
+        slots = [int(tables[rr, p // block_size]) * block_size + p % block_size for p in range(n)]
+        k = k_cache[slots].double().repeat_interleave(num_heads // hk, dim=1)  # (n, H, D)
+        v = v_cache[slots].double().repeat_interleave(num_heads // hk, dim=1)
+        q = query[rq].double().view(num_heads, d)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
+        outs.append(torch.einsum("hn,nhd->hd", w, v).reshape(-1))
+    return torch.stack(outs)
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 6, 80)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_kernel_matches_torch(kernel, dtype, heads, kv_heads, head_size, block_size):
+    g = torch.Generator().manual_seed(heads * 1000 + head_size + block_size)
+    num_blocks = 96
+    # contexts: 1 token, shorter than a block, not a multiple of 4, exactly a block, across many blocks
+    ctx = torch.tensor([1, 5, 7, block_size, 3 * block_size + 3, 100])
+    B = len(ctx)
+    tables = torch.randperm(num_blocks, generator=g)[: B * 13].view(B, 13)  # scattered, non-increasing blocks
+    slots = num_blocks * block_size
+    k_cache, v_cache = (torch.randn(slots, kv_heads, head_size, generator=g).to(dtype) for _ in range(2))
+    T = B + 3  # query rows of other (prefill) tokens sit between the decode rows
+    width = heads * head_size
+    query = torch.randn(T, width + 2 * kv_heads * head_size, generator=g).to(dtype)[:, :width]  # a qkv split
+    rows_q = torch.randperm(T, generator=g)[:B].contiguous()
+    rows_req = torch.randperm(B, generator=g)
+    ctx_of = ctx[rows_req].contiguous()  # the context belongs to the request row
+    out = torch.full((T, width), 7.0, dtype=dtype)
+    scale = head_size**-0.5
+    kernel(query, rows_q, rows_req, k_cache, v_cache, tables, ctx_of, out, num_heads=heads,
+           block_size=block_size, max_ctx=int(ctx.max()), scale=scale)
+    want = _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx_of, heads, block_size, scale)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out[rows_q].double(), want, atol=tol, rtol=tol)
+    untouched = torch.ones(T, dtype=torch.bool)
+    untouched[rows_q] = False
+    assert (out[untouched] == 7.0).all(), "the kernel wrote rows that are not decode rows"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_request_splits_heads_across_threads(kernel, threads):
+    """One stream (the chat case) splits its KV heads across threads; the answer is the same."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(1)
+        k_cache, v_cache = (torch.randn(64 * 16, 3, 64, generator=g) for _ in range(2))
+        tables = torch.randperm(64, generator=g).view(1, 64)
+        query, out = torch.randn(1, 9 * 64, generator=g), torch.empty(1, 9 * 64)
+        one, ctx = torch.zeros(1, dtype=torch.long), torch.tensor([1000])
+        kernel(query, one, one, k_cache, v_cache, tables, ctx, out, num_heads=9, block_size=16, max_ctx=1000,
+               scale=0.125)
+        torch.testing.assert_close(out.double(), _reference(query, one, one, k_cache, v_cache, tables, ctx, 9, 16,
+                                                            0.125), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kernel_refuses_what_it_cannot_compute(kernel):
+    z = torch.zeros(1, dtype=torch.long)
+    cache = torch.zeros(16, 2, 12)
+    with pytest.raises(ValueError, match="head size 12"):
+        kernel(torch.zeros(1, 24), z, z, cache, cache, z.view(1, 1), torch.ones(1, dtype=torch.long),
+               torch.zeros(1, 24), num_heads=2, block_size=16, max_ctx=1, scale=1.0)
+    with pytest.raises(ValueError, match="dtypes or strides"):
+        kernel(torch.zeros(1, 128), z, z, torch.zeros(16, 2, 64, dtype=torch.bfloat16), cache, z.view(1, 1),
+               torch.ones(1, dtype=torch.long), torch.zeros(1, 128), num_heads=2, block_size=16, max_ctx=1, scale=1.0)
+    assert not kernel.supports(torch.float32, 12) and kernel.supports(torch.bfloat16, 64)
+    assert not kernel.supports(torch.float64, 64)
+
+
+def test_build_is_cached_per_machine(fresh_kernel, tmp_path):
+    assert fresh_kernel() is not None
+    built = os.listdir(tmp_path / "kernels")
+    assert len(built) == 1 and built[0].endswith(".so"), built
+    mtime = os.path.getmtime(tmp_path / "kernels" / built[0])
+    fresh_kernel.cache_clear()
+    assert fresh_kernel() is not None
+    assert os.listdir(tmp_path / "kernels") == built
+    assert os.path.getmtime(tmp_path / "kernels" / built[0]) == mtime, "a cached kernel was compiled again"
+
+
+def test_no_compiler_falls_back_with_a_reason(fresh_kernel, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert fresh_kernel() is None
+    assert "runs on torch ops" in caplog.text and "/nonexistent/cc" in caplog.text
+
+
+def test_failed_compile_falls_back_with_the_compiler_output(fresh_kernel, monkeypatch, tmp_path, caplog):
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake 1.0 && exit 0\necho 'error: no vectors here' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert fresh_kernel() is None
+    assert "error: no vectors here" in caplog.text
+
+
+def test_switched_off_by_environment(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("LOOM_CPU_NATIVE_KERNELS", "0")
+    assert fresh_kernel() is None
+    assert not (envs.LOOM_CACHE_DIR and os.path.exists(os.path.join(envs.LOOM_CACHE_DIR, "kernels")))
+
+
+def _mixed_step(g: torch.Generator, block_size: int = 8):
+    """A step of two decodes, one prefill over a cached prefix, and one fresh prefill."""
+    q_lens, ctx_lens = [1, 5, 1, 4], [20, 13, 9, 4]
+    num_blocks, B = 32, 4
+    tables = torch.randperm(num_blocks, generator=g)[: B * 4].view(B, 4)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(c - q, c) for q, c in zip(q_lens, ctx_lens)])
+    req = torch.repeat_interleave(torch.arange(B), torch.tensor(q_lens))
+    slot_mapping = tables[req, positions // block_size] * block_size + positions % block_size
+    md = AttentionMetadata(
+        num_reqs=B, num_tokens=int(starts[-1]), query_start_loc=starts, seq_lens=torch.tensor(ctx_lens),
+        query_lens=q_lens, seq_lens_list=ctx_lens, max_query_len=max(q_lens), max_seq_len=max(ctx_lens),
+        block_tables=tables, slot_mapping=slot_mapping, block_size=block_size)
+    return md, num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_same_with_and_without_the_kernel(kernel, dtype):
+    """The torch SDPA backend gives the same step output through the kernel as through its gather path."""
+    g = torch.Generator().manual_seed(3)
+    md, num_blocks = _mixed_step(g)
+    H, Hk, D = 6, 2, 64
+    T = md.num_tokens
+    cache = torch.randn(2, num_blocks, md.block_size, Hk, D, generator=g).to(dtype)  # cached prefixes
+    q, k, v = (torch.randn(T, n * D, generator=g).to(dtype) for n in (H, Hk, Hk))
+    with_kernel = TorchSDPAImpl(H, D, D**-0.5, Hk)
+    assert with_kernel._kernel is not None
+    without = TorchSDPAImpl(H, D, D**-0.5, Hk)
+    without._kernel = None
+    cache2 = cache.clone()
+    out = with_kernel.forward(None, q, k, v, cache, md)
+    md.scratch.clear()
+    want = without.forward(None, q, k, v, cache2, md)
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache, cache2)
