@@ -59,9 +59,39 @@ static inline float hsum(v8f x) {
     return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
+/* e^x for x <= 0 (softmax arguments), Cephes' expf polynomial: x = n ln2 + r, |r| <= ln2/2,
+ * e^x = 2^n e^r; below -87 the result is 0 (2^n would leave the normal range). */
+typedef int32_t v8i __attribute__((vector_size(32)));
+static inline v8f exp_nonpositive(v8f x) {
+    const v8i keep = x >= -87.0f;
+    x = (v8f)((v8i)x & keep);                          /* -87 and below: compute e^0, mask below */
+    const v8i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i); /* round, x <= 0 */
+    const v8f nf = __builtin_convertvector(n, v8f);
+    const v8f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v8i scaled = (v8i)p + (n << 23);             /* times 2^n through the exponent bits */
+    return (v8f)(scaled & keep);
+}
+
 #define MAX_DV 32  /* D / 8 up to 256 */
 
 #define SLOT(u) (table[(u) / block_size] * block_size + (u) % block_size)
+
+/* Ask for the item's heads of context token u (if it exists) before they are needed: the
+ * blocks of one request are scattered, so the hardware prefetcher loses the stream at every
+ * block boundary. */
+#define PREFETCH_TOKEN(cache, u)                                                               \
+    do {                                                                                       \
+        if ((u) < ctx) {                                                                       \
+            const char *p_ = (const char *)(cache + SLOT(u) * row + kh0 * D);                  \
+            for (int64_t l_ = 0; l_ < span; l_ += 64) __builtin_prefetch(p_ + l_);             \
+        }                                                                                      \
+    } while (0)
 
 #define DEFINE_PAGED_DECODE(NAME, T)                                                            \
 int paged_decode_##NAME(                                                                        \
@@ -94,6 +124,7 @@ int paged_decode_##NAME(                                                        
                 const int64_t b = it / per_req, kh0 = (it % per_req) * hpi;                    \
                 const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, nr = (kh1 - kh0) * g;     \
                 const int64_t ctx = ctx_lens[b];                                               \
+                const int64_t span = (kh1 - kh0) * D * (int64_t)sizeof(T);                     \
                 const int64_t *table = tables + rows_req[b] * bt_stride;                       \
                 const T *qrow = query + rows_q[b] * q_stride + kh0 * g * D;                    \
                 for (int64_t j = 0; j < nr * dv; j++) qv[j] = load_##NAME(qrow + 8 * j) * scale;\
@@ -101,6 +132,7 @@ int paged_decode_##NAME(                                                        
                 for (; t + 4 <= ctx; t += 4) { /* four keys at once: four independent chains */\
                     const T *k0 = k_cache + SLOT(t) * row, *k1 = k_cache + SLOT(t + 1) * row;  \
                     const T *k2 = k_cache + SLOT(t + 2) * row, *k3 = k_cache + SLOT(t + 3) * row; \
+                    for (int64_t f = t + 8; f < t + 12; f++) PREFETCH_TOKEN(k_cache, f);      \
                     for (int64_t r = 0; r < nr; r++) {                                         \
                         const int64_t off = (kh0 + r / g) * D;                                 \
                         const v8f *q = qv + r * dv;                                            \
@@ -128,12 +160,20 @@ int paged_decode_##NAME(                                                        
                     float *sr = scores + r * max_ctx;                                          \
                     float m = sr[0], sum = 0.f;                                                \
                     for (int64_t u = 1; u < ctx; u++) m = sr[u] > m ? sr[u] : m;               \
-                    for (int64_t u = 0; u < ctx; u++) { sr[u] = expf(sr[u] - m); sum += sr[u]; }\
-                    const float inv = 1.f / sum;                                               \
-                    for (int64_t u = 0; u < ctx; u++) sr[u] *= inv;                            \
+                    int64_t u = 0;                                                             \
+                    v8f vsum = {0};                                                            \
+                    for (; u + 8 <= ctx; u += 8) {                                             \
+                        v8f e = exp_nonpositive(load_f32(sr + u) - m);                         \
+                        memcpy(sr + u, &e, sizeof e);                                          \
+                        vsum += e;                                                             \
+                    }                                                                          \
+                    for (; u < ctx; u++) { sr[u] = expf(sr[u] - m); sum += sr[u]; }            \
+                    const float inv = 1.f / (sum + hsum(vsum));                                \
+                    for (u = 0; u < ctx; u++) sr[u] *= inv;                                    \
                 }                                                                              \
                 memset(acc, 0, sizeof(v8f) * (size_t)(nr * dv));                               \
                 for (int64_t u = 0; u < ctx; u++) {                                            \
+                    PREFETCH_TOKEN(v_cache, u + 8);                                            \
                     const T *v0 = v_cache + SLOT(u) * row + kh0 * D;                           \
                     for (int64_t r = 0; r < nr; r++) {                                         \
                         const float w = scores[r * max_ctx + u];                               \
