@@ -61,3 +61,19 @@ def test_a_plan_has_a_server_or_a_bridge() -> None:
 def test_stream_interval_must_be_positive() -> None:
     with pytest.raises(SystemExit):
         parse(["--stream-interval", "0"])
+
+
+@pytest.mark.parametrize(("operator", "want"), [
+    ({}, "1000"),  # loom's short spin
+    ({"GOMP_SPINCOUNT": "50"}, "50"),  # the operator's count wins
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, None),  # so does a wait policy: no count is added beside it
+])
+def test_workers_spin_briefly_unless_the_operator_says(monkeypatch, operator, want) -> None:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for name, value in operator.items():
+        monkeypatch.setenv(name, value)
+    plan = build_plan(config(2), ServerConfig())
+    workers = [p for p in plan.processes if p.role == "worker"]
+    assert [p.env.get("GOMP_SPINCOUNT") for p in workers] == [want, want]
+    assert all("GOMP_SPINCOUNT" not in p.env or operator for p in plan.processes if p.role != "worker")
