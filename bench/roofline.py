@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from loom.attention.backends import native
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -51,7 +52,7 @@ SPLIT = {("sampling", "GEMMs"): "embedding & LM head"}
 # Ops outside any module scope (and their children), by name.
 OPS = [
     (re.compile(r"addmm|::mm$|::bmm$|::linear$|::matmul$|mkldnn|onednn"), "GEMMs"),
-    (re.compile(r"scaled_dot_product|flash_attention|index_copy"), "attention"),
+    (re.compile(r"scaled_dot_product|flash_attention|index_copy|paged_decode"), "attention"),
     (re.compile(r"layer_norm|rms_norm|gelu|silu|relu"), "norms & activations"),
     (re.compile(r"::embedding"), "embedding & LM head"),
     (re.compile(r"argmax|topk|sort|softmax|multinomial|::max$"), "sampling"),
@@ -148,6 +149,17 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         with record_function("sampling"):
             return greedy(*a, **kw)
 
+    # The CPU decode kernel is a ctypes call, no aten op: give it a name, or its time would
+    # count as the attention scope's own Python.
+    kernel_cls = native.PagedDecode
+    kernel_call = kernel_cls.__call__
+
+    def named_kernel(*a: Any, **kw: Any) -> Any:
+        with record_function("loom::paged_decode"):
+            return kernel_call(*a, **kw)
+
+    if modules:
+        kernel_cls.__call__ = named_kernel
     handles = []
     for module in [*runner.model.modules(), runner.sampler] if modules else []:
         label = MODEL if module is runner.model else next(
@@ -162,6 +174,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         for h in handles:
             h.remove()
         del core.step, executor.execute_model, runner.model.logits_processor.greedy_token_ids
+        kernel_cls.__call__ = kernel_call
     return undo
 
 
