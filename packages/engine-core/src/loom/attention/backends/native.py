@@ -26,6 +26,7 @@ import torch
 
 from ... import envs
 from ...logger import init_logger
+from ...platforms.cpu_features import cpu_flags
 
 logger = init_logger(__name__)
 
@@ -45,15 +46,10 @@ class NativeKernelError(RuntimeError):
     pass
 
 
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the CPU model and its flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f.read().split("\n\n")[0].splitlines()
-                     if ln.startswith(("model name", "flags", "vendor_id", "cpu family", "model\t"))]
-        return "\n".join(lines)
-    except OSError:
-        return platform.processor() or platform.machine()
+def _cpu_signature() -> bytes:
+    """What ``-march=native`` may use: the machine and its instruction-set flags (the same
+    ``/proc/cpuinfo`` read that ``dtype="auto"`` makes, done once per process)."""
+    return " ".join([platform.machine(), *sorted(cpu_flags())]).encode()
 
 
 def _compiler() -> str:
@@ -67,7 +63,7 @@ def _build(cc: str, source: bytes) -> str:
     """Compile ``source`` unless a build with the same key is cached; return the .so path."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join(
-        [source, " ".join(_FLAGS).encode(), version.encode(), _cpu_signature().encode()])).hexdigest()[:16]
+        [source, " ".join(_FLAGS).encode(), version.encode(), _cpu_signature()])).hexdigest()[:16]
     folder = os.path.join(envs.LOOM_CACHE_DIR, "kernels")
     path = os.path.join(folder, f"paged_decode-{key}.so")
     if os.path.exists(path):
