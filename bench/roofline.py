@@ -2,9 +2,10 @@
 
 For each model: the FLOPs of every linear layer of the workload (from the model's config,
 per token through the layers; the LM head only where loom samples: the last prompt token
-and each decode step), ``F.linear`` timed on this machine for each of those shapes at the
-batch sizes the scheduler runs (the prefill token budget, the decode batch), and the
-bound = those FLOPs at those speeds. Then loom's output tok/s (``offline_throughput.run_loom``)
+and each decode step), each of those shapes timed on this machine at the batch sizes the
+scheduler runs (the prefill token budget, the decode batch) with ``F.linear`` and with the
+oneDNN-prepacked weight loom's CPU layers use, and the bound = those FLOPs at the faster
+of the two speeds. Then loom's output tok/s (``offline_throughput.run_loom``)
 as % of the bound, and (unless ``--no-profile``) two more runs of the workload on a fresh
 engine, each with new prompts so that the prefix cache cannot help: one timed per step, one
 under ``torch.profiler``. Steps are split into prefill steps (prompt tokens scheduled;
@@ -34,8 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from loom.attention.backends import native
+from loom.layers import onednn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -74,20 +75,27 @@ def model_linears(cfg: Any) -> tuple[list[tuple[str, int, int]], int, int, int]:
     return layer, getattr(cfg, "word_embed_proj_dim", None) or h, cfg.vocab_size, heads * d
 
 
-def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> float:
-    """Median seconds of ``F.linear`` on (m, k) x (n, k), after warm-up. The weight cycles
-    through ``copies`` tensors (one per layer, as in a step), so it comes from memory, not cache."""
+def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> tuple[float, float]:
+    """Median seconds of (m, k) x (n, k) with ``F.linear`` and with the weight prepacked for oneDNN
+    (what loom's CPU layers run, ``loom.layers.onednn``; inf where this torch cannot), after
+    warm-up. The weight cycles through ``copies`` tensors (one per layer, as in a step), so it
+    comes from memory, not cache. The bound takes the faster of the two."""
     x, ws = torch.randn(m, k, dtype=dtype), [torch.randn(n, k, dtype=dtype) for _ in range(copies)]
     b = torch.randn(n, dtype=dtype) if bias else None
-    times = []
-    with torch.inference_mode():
-        for i in range(200):
-            start = time.perf_counter()
-            F.linear(x, ws[i % copies], b)
-            times.append(time.perf_counter() - start)
-            if i >= max(12, copies + 3) and sum(times[3:]) > 0.3:
-                break
-    return statistics.median(times[3:])
+    packed = [onednn.pack_weight(w) for w in ws] if onednn.available() and dtype in onednn.DTYPES else None
+
+    def median(weights: list[torch.Tensor]) -> float:
+        times = []
+        with torch.inference_mode():
+            for i in range(200):
+                start = time.perf_counter()
+                onednn.linear(x, weights[i % copies], b)
+                times.append(time.perf_counter() - start)
+                if i >= max(12, copies + 3) and sum(times[3:]) > 0.3:
+                    break
+        return statistics.median(times[3:])
+
+    return median(ws), median(packed) if packed else float("inf")
 
 
 def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, budget: int, max_seqs: int) -> dict[str, Any]:
@@ -96,8 +104,9 @@ def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, budget: int
     P, In, Out, L = args.num_prompts, args.input_len, args.output_len, cfg.num_hidden_layers
     m = {"prefill": min(budget, P * In), "decode": min(P, max_seqs)}  # rows of one step's layer GEMMs
     m_lm = {"prefill": max(1, min(P, budget // In)), "decode": m["decode"]}  # rows that sample in one step
-    rows = [(name, ph, m[ph], k, n, time_linear(m[ph], k, n, bias, dtype, L)) for ph in m for name, k, n in layer]
-    rows += [("lm_head", ph, m_lm[ph], lm_in, vocab, time_linear(m_lm[ph], lm_in, vocab, False, dtype)) for ph in m]
+    timed = [(name, ph, m[ph], k, n, time_linear(m[ph], k, n, bias, dtype, L)) for ph in m for name, k, n in layer]
+    timed += [("lm_head", ph, m_lm[ph], lm_in, vocab, time_linear(m_lm[ph], lm_in, vocab, False, dtype)) for ph in m]
+    rows = [(*shape, min(ts)) for *shape, ts in timed]
     t_layers = {ph: L * sum(t for name, p, *_, t in rows if p == ph and name != "lm_head") for ph in m}
     t_lm = {p: t for name, p, *_, t in rows if name == "lm_head"}
     tokens = {"prefill": P * In, "decode": P * (Out - 1)}  # through the layers (the last sample is not fed back)
@@ -105,7 +114,7 @@ def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, budget: int
     per_token, lm_flops = 2 * L * sum(k * n for _, k, n in layer), 2 * lm_in * vocab
     seconds = sum(t_layers[ph] * tokens[ph] / m[ph] + t_lm[ph] * samples[ph] / m_lm[ph] for ph in m)
     contexts = P * (In * (In + 1) // 2 + sum(In + i for i in range(1, Out)))  # causal context of every query
-    return dict(rows=rows, per_token=per_token, lm_flops=lm_flops, seconds=seconds, tok_s=P * Out / seconds,
+    return dict(rows=rows, timed=timed, per_token=per_token, lm_flops=lm_flops, seconds=seconds, tok_s=P * Out / seconds,
                 flops=sum(per_token * tokens[ph] + lm_flops * samples[ph] for ph in m),
                 m=m, t_layers=t_layers, attn_flops=4 * q_dim * contexts * L)
 
@@ -227,9 +236,11 @@ def run_model(name: str, args: argparse.Namespace, root: str) -> tuple[float, di
     engine = dict(dtype=args.dtype, max_model_len=max(args.input_len + args.output_len, 512))  # as run_loom's
     sched = EngineArgs(model=model, **engine).create_engine_config().scheduler_config
     r = roofline(cfg, getattr(torch, args.dtype), args, sched.max_num_batched_tokens, sched.max_num_seqs)
-    print(f"\n## {name} ({args.dtype})\n\n| linear (step) | m x k -> n | ms | GFLOP/s |\n|---|---|---|---|")
-    for lin, ph, m, k, n, t in r["rows"]:
-        print(f"| {lin} ({ph}) | {m} x {k} -> {n} | {t * 1e3:.3f} | {2 * m * k * n / t / 1e9:,.0f} |")
+    print(f"\n## {name} ({args.dtype})\n\n| linear (step) | m x k -> n | ms, the faster | GFLOP/s F.linear | "
+          "GFLOP/s prepacked |\n|---|---|---|---|---|")
+    for lin, ph, m, k, n, (dense, packed) in r["timed"]:
+        rate = [f"{2 * m * k * n / t / 1e9:,.0f}" if t < float("inf") else "-" for t in (dense, packed)]
+        print(f"| {lin} ({ph}) | {m} x {k} -> {n} | {min(dense, packed) * 1e3:.3f} | {rate[0]} | {rate[1]} |")
     print(f"\n| figure | value |\n|---|---|\n| layer GEMMs per token | {si(r['per_token'], 'FLOP')} |\n"
           f"| LM head per sampled token | {si(r['lm_flops'], 'FLOP')} |\n| workload GEMMs | {si(r['flops'], 'FLOP')} |\n"
           f"| attention QK/PV, causal (not in the bound) | {si(r['attn_flops'], 'FLOP')} |\n"

@@ -35,6 +35,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "LOOM_CPU_BF16": _str_or_none("LOOM_CPU_BF16"),
     # "0" keeps the CPU attention on torch ops instead of the kernels compiled on this machine.
     "LOOM_CPU_NATIVE_KERNELS": lambda: os.environ.get("LOOM_CPU_NATIVE_KERNELS", "1") != "0",
+    # "0" keeps CPU linear layers on F.linear instead of weights prepacked for oneDNN.
+    "LOOM_CPU_PREPACK": lambda: os.environ.get("LOOM_CPU_PREPACK", "1") != "0",
     # Where converted weights (GGUF -> safetensors) and compiled CPU kernels are cached.
     "LOOM_CACHE_DIR": lambda: os.environ.get(
         "LOOM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "loom")

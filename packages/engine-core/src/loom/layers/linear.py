@@ -4,7 +4,8 @@ Weights are ``(out_features, in_features)`` as in ``nn.Linear``. A column-parall
 keeps rows ``[rank * out/tp, (rank + 1) * out/tp)`` of the full weight; a row-parallel
 layer keeps that slice of the columns and sums the partial outputs over the group.
 Each parameter carries ``param.weight_loader(param, loaded_weight, shard_id=None)``,
-which copies this rank's slice of a full checkpoint tensor into it.
+which copies this rank's slice of a full checkpoint tensor into it. On the CPU, loaded
+weights may then be replaced by oneDNN's packed layout (``onednn.prepack_model``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..distributed import (
     get_tensor_model_parallel_rank,
@@ -21,6 +21,7 @@ from ..distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from .onednn import linear
 
 __all__ = [
     "ColumnParallelLinear",
@@ -101,7 +102,7 @@ class ReplicatedLinear(LinearBase):
             _copy_checked(param.data, loaded_weight, self.prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # (T, out)
+        return linear(x, self.weight, self.bias)  # (T, out)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -120,7 +121,7 @@ class ColumnParallelLinear(LinearBase):
             _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * shard, shard), self.prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)  # (T, out / tp)
+        out = linear(x, self.weight, self.bias)  # (T, out / tp)
         if self.gather_output:
             out = tensor_model_parallel_all_gather(out, dim=-1)  # (T, out)
         return out
@@ -229,7 +230,7 @@ class RowParallelLinear(LinearBase):
             x = x.narrow(-1, self.tp_rank * shard, shard).contiguous()  # (T, in / tp)
         # Only rank 0 adds the bias, so the sum over ranks holds it once.
         bias = self.bias if self.tp_rank == 0 else None
-        out = F.linear(x, self.weight, bias)  # (T, out), this rank's partial sum
+        out = linear(x, self.weight, bias)  # (T, out), this rank's partial sum
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -2,31 +2,62 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+from . import onednn
 from .vocab_parallel_embedding import VocabParallelEmbedding
 
 __all__ = ["LogitsProcessor"]
+
+
+def _packed_logits(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, x: torch.Tensor) -> torch.Tensor:
+    return onednn.linear(x, weight, bias)[..., :rows]  # the chunk's padding rows dropped
 
 
 class LogitsProcessor(nn.Module):
     """Apply the LM head, gather the vocabulary shards of every TP rank, drop the padding.
 
     ``forward(lm_head, hidden_states (N, hidden)) -> logits (N, vocab_size)``.
+    On the CPU, ``onednn.prepack_model`` gives it ``packed_head``: the LM head's weight
+    packed in chunks of ``chunk`` rows, used instead of ``lm_head.weight``.
     """
+
+    chunk = 2048  # vocabulary rows per LM-head matmul of the greedy path (logits stay in cache)
 
     def __init__(self, vocab_size: int, org_vocab_size: int | None = None, scale: float = 1.0) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.org_vocab_size = org_vocab_size or vocab_size
         self.scale = scale
+        self.packed_head: onednn.PackedHead | None = None
+
+    def _chunks(self, lm_head: VocabParallelEmbedding, rows: int, chunk: int) -> Iterator[tuple[int, Callable]]:
+        """``(lo, logits of rows lo:lo+chunk)`` over this rank's first ``rows`` vocabulary rows."""
+        bias = getattr(lm_head, "bias", None)
+        packed = self.packed_head
+        if packed is not None and packed.chunk == chunk:
+            for lo, hi, w in packed.chunks:
+                if lo >= rows:
+                    break
+                b = None if bias is None else bias[lo:hi]
+                yield lo, functools.partial(_packed_logits, w, b, min(hi, rows) - lo)
+            return
+        for lo in range(0, rows, chunk):
+            hi = min(lo + chunk, rows)
+            yield lo, functools.partial(F.linear, weight=lm_head.weight[lo:hi], bias=None if bias is None else bias[lo:hi])
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
-        bias = getattr(lm_head, "bias", None)
-        logits = F.linear(hidden_states, lm_head.weight, bias)  # (N, padded_vocab / tp)
+        if self.packed_head is not None:
+            rows = lm_head.weight.shape[0]
+            logits = torch.cat([fn(hidden_states) for _, fn in self._chunks(lm_head, rows, self.chunk)], dim=-1)
+        else:
+            logits = F.linear(hidden_states, lm_head.weight, getattr(lm_head, "bias", None))  # (N, padded_vocab / tp)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)  # (N, padded_vocab)
         logits = logits[..., : self.org_vocab_size]  # (N, vocab)
         if self.scale != 1.0:
@@ -35,7 +66,7 @@ class LogitsProcessor(nn.Module):
 
     @torch.inference_mode()
     def greedy_token_ids(
-        self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor, chunk: int = 2048
+        self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor, chunk: int | None = None
     ) -> torch.Tensor:
         """``argmax(forward(lm_head, hidden_states), -1)`` without materializing the logits.
 
@@ -43,14 +74,11 @@ class LogitsProcessor(nn.Module):
         running max. Ties resolve to the lowest token id, as ``argmax`` does. Across TP
         ranks only (max, id) pairs are gathered, not the vocabulary.
         """
-        weight = lm_head.weight  # (padded_vocab / tp, hidden)
-        bias = getattr(lm_head, "bias", None)
         start = lm_head.vocab_start_index
-        local = max(0, min(weight.shape[0], self.org_vocab_size - start))  # drop padding rows
+        local = max(0, min(lm_head.weight.shape[0], self.org_vocab_size - start))  # drop padding rows
         best_val = best_idx = None
-        for lo in range(0, local, chunk):
-            hi = min(lo + chunk, local)
-            logits = F.linear(hidden_states, weight[lo:hi], None if bias is None else bias[lo:hi])  # (N, c)
+        for lo, logits_of in self._chunks(lm_head, local, chunk or self.chunk):
+            logits = logits_of(hidden_states)  # (N, c)
             val, idx = logits.max(dim=-1)
             idx += start + lo
             if best_val is None:

@@ -12,6 +12,7 @@ import torch.nn as nn
 from loom_plugin_api import ModelRegistry, set_current_config
 
 from ..distributed import get_tensor_model_parallel_rank
+from ..layers.onednn import prepack_model
 from ..logger import init_logger
 from . import WEIGHT_LOADERS, resolve_load_format
 
@@ -67,6 +68,8 @@ def get_model(config: LoomConfig, device: torch.device | None = None) -> nn.Modu
     show_progress = get_tensor_model_parallel_rank() == 0
     source = WEIGHT_LOADERS[load_format](model, config, show_progress)
     model.eval()
+    if device.type == "cpu":
+        prepack_model(model)
     logger.info(
         "Loaded %s (%s, %s) from %s: built in %.2f s, weights in %.2f s",
         arch, model_cls.__qualname__, model_config.dtype, source, built - start, time.perf_counter() - built,
