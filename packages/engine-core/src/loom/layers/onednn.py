@@ -18,6 +18,7 @@ Only on the CPU, for float32 and bfloat16, where torch was built with oneDNN;
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import TYPE_CHECKING
 
@@ -95,8 +96,18 @@ def prepack_model(model: nn.Module) -> int:
                 _pack_head(module, lm_head)
                 packed += 1
     if packed:
+        _return_freed_memory()
         logger.info("Prepacked %d linear weights for oneDNN (LOOM_CPU_PREPACK=0 to keep F.linear)", packed)
     return packed
+
+
+def _return_freed_memory() -> None:
+    """Give the dense weights' freed pages back to the OS: the CPU worker tells glibc not to
+    trim its heap between steps, so without this they would stay in the worker's RSS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def _dense_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
