@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from loom.attention.backends import native
 from loom.layers import onednn
+from loom_plugin_api import custom_op
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -167,8 +168,17 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         with record_function("loom::paged_decode"):
             return kernel_call(*a, **kw)
 
+    # Likewise the CPU platform's fused kernels behind the ops' forward_cpu (looked up per call).
+    installed = dict(custom_op.kernel_registry)
+
+    def named(label: str, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
+        with record_function(label):
+            return fn(*a, **kw)
+
     if modules:
         kernel_cls.__call__ = named_kernel
+        for name, fn in installed.items():
+            custom_op.kernel_registry[name] = functools.partial(named, f"loom::{name}", fn)
     handles = []
     for module in [*runner.model.modules(), runner.sampler] if modules else []:
         label = MODEL if module is runner.model else next(
@@ -184,6 +194,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
             h.remove()
         del core.step, executor.execute_model, runner.model.logits_processor.greedy_token_ids
         kernel_cls.__call__ = kernel_call
+        custom_op.kernel_registry.update(installed)
     return undo
 
 

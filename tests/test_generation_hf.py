@@ -92,7 +92,9 @@ def test_prompt_logprobs_match_hf(request, model_fixture):
                 entry, row = got[j], ref[j - 1]
                 token = prompt[j]
                 assert abs(entry[token].logprob - float(row[token])) < 1e-4, (attempt, j)
-                assert entry[token].rank == int((row > row[token]).sum()) + 1
+                # rank = 1 + tokens above it; a token within float noise of it may fall either side
+                above = [int((row > row[token] + d).sum()) + 1 for d in (1e-5, -1e-5)]
+                assert above[0] <= entry[token].rank <= above[1], (attempt, j, entry[token].rank, above)
                 top3 = sorted((lp.rank, tid) for tid, lp in entry.items() if lp.rank <= 3)
                 assert [tid for _, tid in top3] == row.topk(3).indices.tolist(), (attempt, j)
                 assert len(entry) == (3 if entry[token].rank <= 3 else 4)

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loom import envs
 from loom.layers import onednn
 from loom.layers.linear import LinearBase
 from loom.layers.logits_processor import LogitsProcessor
 from loom.layers.vocab_parallel_embedding import ParallelLMHead
 from loom.model_loader import get_model
 from model_utils import make_config, run_prefill
+
+
+@pytest.fixture(autouse=True)
+def _live_envs():
+    """Read LOOM_* as the test sets them: an in-process engine started by an earlier test froze them."""
+    envs._disable_envs_cache_for_tests()
+
 
 PROMPTS = [[5, 17, 900, 3, 42, 999, 0], list(range(100, 140))]
 

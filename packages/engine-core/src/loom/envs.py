@@ -33,7 +33,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Whether the CPU computes bf16 natively, for dtype "auto" on host platforms: "1" or "0";
     # unset (or "") = read the avx512_bf16 / amx_bf16 flags from /proc/cpuinfo.
     "LOOM_CPU_BF16": _str_or_none("LOOM_CPU_BF16"),
-    # "0" keeps the CPU attention on torch ops instead of the kernels compiled on this machine.
+    # "0" keeps CPU decode attention and the fused ops (RMSNorm, SiLU-and-mul, rotary) on torch ops
+    # instead of the kernels compiled on this machine.
     "LOOM_CPU_NATIVE_KERNELS": lambda: os.environ.get("LOOM_CPU_NATIVE_KERNELS", "1") != "0",
     # "0" keeps CPU linear layers on F.linear instead of weights prepacked for oneDNN.
     "LOOM_CPU_PREPACK": lambda: os.environ.get("LOOM_CPU_PREPACK", "1") != "0",

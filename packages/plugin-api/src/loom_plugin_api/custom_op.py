@@ -6,10 +6,11 @@ two ways, both registered here, on ``CustomOp``, once per process:
 
 * a whole class: ``@CustomOp.register_oot(name="RMSNorm")`` (or ``@RMSNorm.register_oot``),
   whose ``forward_oot`` / ``forward_cuda`` / ``forward_cpu`` runs when the op is enabled;
-* a kernel behind the in-tree class's ``forward_cuda``: ``CustomOp.register_kernel(
-  "rms_norm", fn)`` with the signature ``KERNEL_SIGNATURES`` gives (a GPU platform does
-  this from ``Platform.register_triton_kernel_overrides``). Without one, ``forward_cuda``
-  runs ``forward_native``.
+* a kernel behind the in-tree class's ``forward_cuda`` and ``forward_cpu``:
+  ``CustomOp.register_kernel("rms_norm", fn)`` with the signature ``KERNEL_SIGNATURES``
+  gives (a platform does this from ``Platform.register_triton_kernel_overrides``: the CUDA
+  platform installs Triton kernels, the built-in CPU platform C kernels). Without one, those
+  methods run ``forward_native``.
 
 The registries:
 
@@ -207,7 +208,7 @@ class CustomOp(nn.Module):
 
     @classmethod
     def register_kernel(cls, name: str, kernel: Callable[..., Any]) -> None:
-        """Make ``kernel`` the implementation of op ``name``'s ``forward_cuda`` in this process.
+        """Make ``kernel`` the implementation of op ``name``'s ``forward_cuda`` / ``forward_cpu`` here.
 
         Call it before the model is built (``Platform.register_triton_kernel_overrides``).
         Registering again replaces the kernel (the last platform hook wins).

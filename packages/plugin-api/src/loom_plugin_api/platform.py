@@ -117,7 +117,8 @@ class Platform:
     # ---- worker-side hooks -----------------------------------------------------------
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
-        """Replace core Triton kernels before any worker or model code launches them.
+        """Replace core kernels before any worker or model code launches them
+        (``CustomOp.register_kernel``: Triton kernels on a GPU, compiled ones on a CPU).
 
         Runs once at the start of every worker process, after the general plugins.
         """

@@ -76,6 +76,7 @@ class PackedHead:
 
 def prepack_model(model: nn.Module) -> int:
     """Pack every linear layer's weight (and the LM head) of a loaded CPU model; how many."""
+    # here, not at the top: both modules import this one for ``linear`` and ``PackedHead``
     from .linear import LinearBase
     from .logits_processor import LogitsProcessor
 

@@ -32,6 +32,13 @@ class CpuPlatform(HostPlatform):
             )
 
     @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        # Not Triton here: fused C kernels compiled on this machine, behind the ops' forward_cpu.
+        from .cpu_kernels import install
+
+        install()
+
+    @classmethod
     def get_attn_backend_cls(
         cls, selected_backend: str | None, attn_selector_config: Any, num_heads: int | None = None
     ) -> str:

@@ -19,5 +19,12 @@ class SiluAndMul(CustomOp):
         return F.silu(x[..., :d]) * x[..., d:]  # (T, d)
 
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward_kernel(x)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward_kernel(x)
+
+    def _forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The platform's installed ``silu_and_mul`` kernel, else ``forward_native``."""
         kernel = CustomOp.get_kernel("silu_and_mul")
         return self.forward_native(x) if kernel is None else kernel(x)

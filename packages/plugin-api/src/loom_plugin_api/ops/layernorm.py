@@ -41,6 +41,17 @@ class RMSNorm(CustomOp):
     def forward_cuda(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._forward_kernel(x, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._forward_kernel(x, residual)
+
+    def _forward_kernel(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The platform's installed ``rms_norm`` kernel, else ``forward_native``."""
         kernel = CustomOp.get_kernel("rms_norm")
         if kernel is None:
             return self.forward_native(x, residual)

@@ -96,6 +96,17 @@ class RotaryEmbedding(CustomOp):
     def forward_cuda(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._forward_kernel(positions, query, key)
+
+    def forward_cpu(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._forward_kernel(positions, query, key)
+
+    def _forward_kernel(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The platform's installed ``rotary_embedding`` kernel, else ``forward_native``."""
         kernel = CustomOp.get_kernel("rotary_embedding")
         if kernel is None:
             return self.forward_native(positions, query, key)

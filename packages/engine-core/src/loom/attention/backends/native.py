@@ -59,18 +59,19 @@ def _compiler() -> str:
     return cc
 
 
-def _build(cc: str, source: bytes) -> str:
-    """Compile ``source`` unless a build with the same key is cached; return the .so path."""
+def _build(cc: str, source: bytes, stem: str = "paged_decode", what: str = "the CPU paged-attention kernel") -> str:
+    """Compile ``source`` into ``<LOOM_CACHE_DIR>/kernels/<stem>-<key>.so`` unless a build with
+    the same key is cached; return the .so path. The CPU platform's fused ops build here too."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join(
         [source, " ".join(_FLAGS).encode(), version.encode(), _cpu_signature()])).hexdigest()[:16]
     folder = os.path.join(envs.LOOM_CACHE_DIR, "kernels")
-    path = os.path.join(folder, f"paged_decode-{key}.so")
+    path = os.path.join(folder, f"{stem}-{key}.so")
     if os.path.exists(path):
         return path
     os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        src = os.path.join(tmp, _SOURCE)
+        src = os.path.join(tmp, f"{stem}.c")
         with open(src, "wb") as f:
             f.write(source)
         out = os.path.join(tmp, "kernel.so")
@@ -78,7 +79,7 @@ def _build(cc: str, source: bytes) -> str:
         if proc.returncode != 0:
             raise NativeKernelError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}")
         os.replace(out, path)  # atomic: another worker building the same key races harmlessly
-    logger.info("Compiled the CPU paged-attention kernel into %s", path)
+    logger.info("Compiled %s into %s", what, path)
     return path
 
 

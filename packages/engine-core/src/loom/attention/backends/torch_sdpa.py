@@ -139,8 +139,11 @@ class TorchSDPAImpl(AttentionImpl):
         H, Hk, D, g = self.num_heads, self.num_kv_heads, self.head_size, self.group
         k_cache = kv_cache[0].view(-1, Hk, D)
         v_cache = kv_cache[1].view(-1, Hk, D)
-        k_cache.index_copy_(0, attn_metadata.slot_mapping, key.view(T, Hk, D))
-        v_cache.index_copy_(0, attn_metadata.slot_mapping, value.view(T, Hk, D))
+        # One row of Hk * D per slot: index_copy_ over 3-D views takes a per-element path that
+        # is up to 20x slower for bf16 rows split out of the fused qkv output.
+        kv_rows = kv_cache.view(2, -1, Hk * D)
+        kv_rows[0].index_copy_(0, attn_metadata.slot_mapping, key.reshape(T, Hk * D))
+        kv_rows[1].index_copy_(0, attn_metadata.slot_mapping, value.reshape(T, Hk * D))
         kernel = self._kernel if self._kernel is not None and self._kernel.supports(query.dtype, D) else None
         plan = build_plan(attn_metadata, gather_decode=kernel is None)
         if query.stride(-1) != 1:

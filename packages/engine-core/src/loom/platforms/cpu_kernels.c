@@ -1,0 +1,141 @@
+/* Fused kernels of the built-in CPU platform: RMSNorm (with the residual add), SiLU-and-mul and
+ * rotary embedding, each one pass over its rows instead of torch's chain of elementwise ops.
+ *
+ * Semantics are those of the reference ops (loom_plugin_api.ops): arithmetic in fp32, results
+ * rounded to the tensor's dtype at the same points the reference rounds, so bf16 outputs agree
+ * with it to within float rounding of the fp32 intermediates. Built by loom.platforms.cpu_kernels
+ * with the machine's compiler (-O3 -march=native) and cached, like the paged-decode kernel; the
+ * inner loops are plain C that the compiler vectorizes (`omp simd`). Rows are split across
+ * OpenMP threads, on torch's own pool (libgomp resolves to the copy torch loaded).
+ *
+ * Every row argument is (rows, row stride) with unit stride inside a row.
+ */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+
+static inline float f32_from_f32(float x) { return x; }
+static inline float f32_from_bf16(bf16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f; memcpy(&f, &u, sizeof f); return f;
+}
+static inline float to_f32(float x) { return x; }
+static inline bf16_t to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u; memcpy(&u, &f, sizeof u);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (bf16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? ((u >> 16) | 0x40u) : r);
+}
+/* the value a tensor of this dtype holds after rounding f into it */
+static inline float round_f32(float f) { return f; }
+static inline float round_bf16(float f) { return f32_from_bf16(to_bf16(f)); }
+
+/* e^x for any float x, branch-free so that loops over it vectorize (Cephes' expf polynomial,
+ * x clamped to [-87, 88.7], where 2^n stays a normal float: beyond it only the last digits of
+ * SiLU's tiny or saturated values differ from the unclamped exp). */
+static inline float exp_any(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.7f ? 88.7f : x);
+    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits; memcpy(&bits, &p, sizeof bits);
+    bits += (int32_t)n << 23; /* times 2^n */
+    float y; memcpy(&y, &bits, sizeof y); return y;
+}
+
+#define DEFINE_KERNELS(NAME, T)                                                                  \
+/* out = (s * rsqrt(mean(s^2) + eps)) rounded, times weight, rounded; s = x (+ residual) in fp32, \
+ * and res_out = s rounded when residual is given. n <= 16384 (a row of fp32 on the stack). */                                \
+int rms_norm_##NAME(const T *x, int64_t xs, const T *res, int64_t rs, const T *w, T *out,          \
+                    int64_t os, T *res_out, int64_t ros, int64_t rows, int64_t n, float eps,       \
+                    int nthreads) {                                                                \
+    if (n > 16384) return 2;                                                                          \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                             \
+    for (int64_t t = 0; t < rows; t++) {                                                           \
+        float s[n];                                                                                \
+        const T *xr = x + t * xs;                                                                  \
+        float sq = 0.f;                                                                            \
+        if (res) {                                                                                 \
+            const T *rr = res + t * rs;                                                            \
+            T *ro = res_out + t * ros;                                                             \
+            _Pragma("omp simd reduction(+:sq)")                                                    \
+            for (int64_t i = 0; i < n; i++) {                                                      \
+                s[i] = f32_from_##NAME(xr[i]) + f32_from_##NAME(rr[i]);                           \
+                ro[i] = to_##NAME(s[i]);                                                           \
+                sq += s[i] * s[i];                                                                 \
+            }                                                                                      \
+        } else {                                                                                   \
+            _Pragma("omp simd reduction(+:sq)")                                                    \
+            for (int64_t i = 0; i < n; i++) {                                                      \
+                s[i] = f32_from_##NAME(xr[i]);                                                     \
+                sq += s[i] * s[i];                                                                 \
+            }                                                                                      \
+        }                                                                                          \
+        const float inv = 1.0f / sqrtf(sq / (float)n + eps);                                       \
+        T *o = out + t * os;                                                                       \
+        _Pragma("omp simd")                                                                        \
+        for (int64_t i = 0; i < n; i++)                                                            \
+            o[i] = to_##NAME(round_##NAME(s[i] * inv) * f32_from_##NAME(w[i]));                   \
+    }                                                                                              \
+    return 0;                                                                                      \
+}                                                                                                  \
+                                                                                                   \
+/* out[t, i] = silu(x[t, i]) rounded, times x[t, d + i], rounded */                                \
+int silu_and_mul_##NAME(const T *x, int64_t xs, T *out, int64_t os, int64_t rows, int64_t d,      \
+                        int nthreads) {                                                            \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                             \
+    for (int64_t t = 0; t < rows; t++) {                                                           \
+        const T *g = x + t * xs, *u = g + d;                                                       \
+        T *o = out + t * os;                                                                       \
+        _Pragma("omp simd")                                                                        \
+        for (int64_t i = 0; i < d; i++) {                                                          \
+            const float a = f32_from_##NAME(g[i]);                                                 \
+            o[i] = to_##NAME(round_##NAME(a / (1.0f + exp_any(-a))) * f32_from_##NAME(u[i]));      \
+        }                                                                                          \
+    }                                                                                              \
+    return 0;                                                                                      \
+}                                                                                                  \
+                                                                                                   \
+/* Rotate the first rot channels of every head of q (hq heads) and k (hk heads) in place, by    \
+ * the fp32 [cos | sin] row of each token's position; NeoX halves or GPT-J pairs. */               \
+int rotary_##NAME(const int64_t *pos, T *q, int64_t qs, int64_t hq, T *k, int64_t ks, int64_t hk,  \
+                  const float *cos_sin, int64_t css, int64_t max_pos, int64_t rows, int64_t D,     \
+                  int64_t rot, int neox, int nthreads) {                                           \
+    int bad = 0;                                                                                   \
+    const int64_t half = rot / 2;                                                                  \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                             \
+    for (int64_t t = 0; t < rows; t++) {                                                           \
+        const int64_t p = pos[t];                                                                  \
+        if (p < 0 || p >= max_pos) { _Pragma("omp atomic write") bad = 1; continue; }              \
+        const float *c = cos_sin + p * css, *sn = c + half;                                        \
+        for (int64_t h = 0; h < hq + hk; h++) {                                                    \
+            T *x = h < hq ? q + t * qs + h * D : k + t * ks + (h - hq) * D;                        \
+            if (neox) {                                                                            \
+                _Pragma("omp simd")                                                                \
+                for (int64_t i = 0; i < half; i++) {                                               \
+                    const float x1 = f32_from_##NAME(x[i]), x2 = f32_from_##NAME(x[i + half]);     \
+                    x[i] = to_##NAME(x1 * c[i] - x2 * sn[i]);                                      \
+                    x[i + half] = to_##NAME(x2 * c[i] + x1 * sn[i]);                               \
+                }                                                                                  \
+            } else {                                                                               \
+                for (int64_t i = 0; i < half; i++) {                                               \
+                    const float x1 = f32_from_##NAME(x[2 * i]), x2 = f32_from_##NAME(x[2 * i + 1]); \
+                    x[2 * i] = to_##NAME(x1 * c[i] - x2 * sn[i]);                                  \
+                    x[2 * i + 1] = to_##NAME(x2 * c[i] + x1 * sn[i]);                              \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    return bad ? 3 : 0;                                                                            \
+}
+
+DEFINE_KERNELS(f32, float)
+DEFINE_KERNELS(bf16, bf16_t)

@@ -1,0 +1,136 @@
+"""The CPU platform's fused C kernels (``loom.platforms.cpu_kernels``) against the reference ops."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from loom import envs
+from loom.platforms import cpu_kernels
+from loom_plugin_api import custom_op
+from loom_plugin_api.ops.activation import SiluAndMul
+from loom_plugin_api.ops.layernorm import RMSNorm
+from loom_plugin_api.ops.rotary_embedding import RotaryEmbedding
+
+
+@pytest.fixture(autouse=True)
+def _live_envs():
+    """Read LOOM_* as the test sets them: an in-process engine started by an earlier test froze them."""
+    envs._disable_envs_cache_for_tests()
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def k():
+    kernels = cpu_kernels.kernels()
+    assert kernels is not None, "the matrix always has a C compiler: the kernels must build"
+    return kernels
+
+
+def _tol(dtype):
+    # bf16: the same roundings as the reference; the fp32 intermediates differ only in summation
+    # order, which can move a result across one bf16 rounding boundary (one ulp, 2^-8 relative)
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (37, 64), (300, 2048), (4, 40)])
+def test_rms_norm(k, dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    op = RMSNorm(hidden, eps=1e-5, dtype=dtype)
+    op.weight.data = (torch.randn(hidden, generator=g) * 0.5 + 1).to(dtype)
+    wide = (torch.randn(rows, hidden + 8, generator=g) * 3).to(dtype)
+    x = wide[:, :hidden]  # strided rows, like a split
+    r = torch.randn(rows, hidden, generator=g).to(dtype)
+    torch.testing.assert_close(k.rms_norm(x, op.weight, 1e-5), op.forward_native(x), **_tol(dtype))
+    out, res = k.rms_norm(x, op.weight, 1e-5, r)
+    want_out, want_res = op.forward_native(x, r)
+    torch.testing.assert_close(out, want_out, **_tol(dtype))
+    assert torch.equal(res, want_res)  # x + r rounded once: exact
+    assert torch.equal(x, wide[:, :hidden]) and x.data_ptr() == wide.data_ptr()  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,d", [(1, 1536), (33, 96), (200, 8)])
+def test_silu_and_mul(k, dtype, rows, d):
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(rows, 2 * d, generator=g) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-3])  # saturated, zero and tiny gates
+    got, want = k.silu_and_mul(x), SiluAndMul().forward_native(x)
+    assert got.shape == (rows, d)
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("head,rot", [(64, 64), (128, 64), (32, 16)])
+def test_rotary_in_place_on_strided_qkv(k, dtype, neox, head, rot):
+    g = torch.Generator().manual_seed(head + rot)
+    op = RotaryEmbedding(head, rot, 512, 10000.0, is_neox_style=neox)
+    hq, hk, t = 4, 2, 19
+    qkv = torch.randn(t, (hq + 2 * hk) * head, generator=g).to(dtype)
+    positions = torch.randint(0, 512, (t,), generator=g)
+    want_q, want_k = op.forward_native(positions, qkv[:, :hq * head].clone(), qkv[:, hq * head:(hq + hk) * head].clone())
+    v_before = qkv[:, (hq + hk) * head:].clone()
+    q, kk = qkv[:, :hq * head], qkv[:, hq * head:(hq + hk) * head]  # views: rotated in place
+    got_q, got_k = k.rotary_embedding(positions, q, kk, head, op.cos_sin_cache, neox)
+    assert got_q.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(qkv[:, :hq * head], want_q, **_tol(dtype))
+    torch.testing.assert_close(qkv[:, hq * head:(hq + hk) * head], want_k, **_tol(dtype))
+    assert torch.equal(qkv[:, (hq + hk) * head:], v_before)  # V untouched
+
+
+def test_rotary_position_outside_the_cache_is_an_error(k):
+    op = RotaryEmbedding(16, 16, 8, 10000.0)
+    q, kk = torch.randn(2, 32), torch.randn(2, 16)
+    with pytest.raises(IndexError, match="outside the rotary cache of 8 positions"):
+        k.rotary_embedding(torch.tensor([3, 8]), q, kk, 16, op.cos_sin_cache, True)
+
+
+def test_ops_run_the_installed_kernels_on_cpu(k, monkeypatch):
+    """install() puts them behind forward_cpu (the registry is per process: a copy here)."""
+    monkeypatch.setattr(custom_op, "kernel_registry", dict(custom_op.kernel_registry))
+    assert cpu_kernels.install()
+    assert custom_op.kernel_registry["rms_norm"] == k.rms_norm
+    assert custom_op.CustomOp.get_kernel("rotary_embedding") == k.rotary_embedding
+    op = RMSNorm(64)
+    x = torch.randn(3, 64)
+    calls = []
+    monkeypatch.setitem(custom_op.kernel_registry, "rms_norm", lambda *a: calls.append(a) or k.rms_norm(*a))
+    torch.testing.assert_close(op.forward_cpu(x), op.forward_native(x))
+    assert len(calls) == 1
+
+
+def test_no_compiler_keeps_the_reference_path(monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    cpu_kernels.kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu_kernels.kernels() is None
+        assert "CPU fused kernels unavailable" in caplog.text
+    finally:
+        cpu_kernels.kernels.cache_clear()
+
+
+def test_switch_off(monkeypatch):
+    monkeypatch.setenv("LOOM_CPU_NATIVE_KERNELS", "0")
+    cpu_kernels.kernels.cache_clear()
+    try:
+        assert cpu_kernels.kernels() is None and not cpu_kernels.install()
+    finally:
+        cpu_kernels.kernels.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_llama_layer_stack_matches_with_and_without_kernels(k, dtype):
+    """End to end through the ops: norm -> silu_and_mul -> norm with residual, both paths."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 256, generator=g).to(dtype)
+    w = torch.randn(256, generator=g).to(dtype)
+    a = k.rms_norm(x, w, 1e-6)
+    b = cpu_kernels._reference_rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(k.silu_and_mul(a), F.silu(b[:, :128]) * b[:, 128:], **_tol(dtype))
