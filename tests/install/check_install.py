@@ -289,6 +289,12 @@ def check_serve(model: Path, workdir: Path, winner: str) -> None:
             seen = resolved[0] if resolved else "no '[worker:0] ... Resolved platform' line"
             raise CheckFailed(f"the serve's worker should resolve the platform from detector {winner!r}: {seen}")
         ok("loom serve", f"/health 200 after {ready_s:.1f} s, worker:0 on {resolved[1]} (log: {log})")
+        if winner == "cpu":  # the wheel ships the C sources and this machine compiles them
+            text = tail(log, 10**6)
+            lost = [w for w in ("CPU paged-attention kernel unavailable", "CPU fused kernels unavailable") if w in text]
+            if lost:
+                raise CheckFailed(f"the CPU platform fell back to torch ops: {'; '.join(lost)} (log: {log})")
+            ok("CPU kernels", "paged decode and fused ops built from the installed wheel")
 
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         model_id = client.models.list().data[0].id

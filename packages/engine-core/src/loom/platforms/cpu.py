@@ -34,6 +34,7 @@ class CpuPlatform(HostPlatform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         # Not Triton here: fused C kernels compiled on this machine, behind the ops' forward_cpu.
+        # Imported here, not at the top: it imports torch, which the CLI's platform detection must not.
         from .cpu_kernels import install
 
         install()
