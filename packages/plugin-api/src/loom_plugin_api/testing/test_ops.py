@@ -2,9 +2,9 @@
 
 An op is replaced by a class (``CustomOp.register_oot``: the in-tree class builds the
 replacement, which runs the platform's forward method) or by a kernel
-(``CustomOp.register_kernel``: the in-tree class's ``forward_cuda`` calls it). Both are
-looked at after the general plugins ran and ``register_triton_kernel_overrides()`` was
-called, as in a worker process.
+(``CustomOp.register_kernel``: the in-tree class's ``forward_cuda`` and ``forward_cpu`` call
+it). Both are looked at after the general plugins ran and ``register_triton_kernel_overrides()``
+was called, as in a worker process.
 """
 
 from __future__ import annotations

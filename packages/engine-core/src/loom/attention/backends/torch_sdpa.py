@@ -4,8 +4,9 @@ Cache layout per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)``
 Decode requests (one new token) run through the paged-decode kernel compiled on this
 machine (``native.py``), which reads K/V through the block tables in place; where that
 kernel is not available they run as one batched SDPA over K/V gathered through their block
-tables. Prefill chunks run one request at a time, causal over the cached prefix plus the
-chunk. Gather plans are built once per step and shared by all layers.
+tables. Prefill chunks with no cached prefix run batched, one causal SDPA call per chunk
+length; a chunk after a cached prefix runs alone, masked over the prefix plus the chunk.
+Gather plans are built once per step and shared by all layers.
 """
 
 from __future__ import annotations
@@ -36,13 +37,21 @@ class _PrefillItem:
     start: int  # first flat token of the chunk
     end: int
     slots: torch.Tensor  # (ctx,) cache slots of the whole context
-    mask: torch.Tensor | None  # (q, ctx) causal mask with offset; None when ctx == q
+    mask: torch.Tensor  # (q, ctx) causal mask with the prefix offset
+
+
+@dataclass(slots=True)
+class _PrefillGroup:
+    """Prefill chunks of one length with no cached prefix: one batched causal SDPA call."""
+    length: int
+    tokens: torch.Tensor  # (n * length,) flat token indices, chunk after chunk
 
 
 @dataclass(slots=True)
 class _Plan:
     decode: _DecodePlan | None
-    prefills: list[_PrefillItem]
+    prefills: list[_PrefillItem]  # chunks that attend to a cached prefix, one call each
+    groups: list[_PrefillGroup]
 
 
 # Gathered K/V of a step are tens of MB: a fresh allocation of that size is an mmap whose
@@ -101,18 +110,22 @@ def build_plan(md: AttentionMetadata, gather_decode: bool = True) -> _Plan:
             decode.slots = torch.gather(tables, 1, pos_c // bs) * bs + pos_c % bs
             decode.mask = valid[:, None, None, :]
     prefills = []
+    by_length: dict[int, list[int]] = {}
     for i, q in enumerate(q_lens):
         if q == 1:
             continue
         ctx = seq_lens[i]
+        if ctx == q:  # no cached prefix: the chunk's own K/V is the whole context
+            by_length.setdefault(q, []).append(starts[i])
+            continue
         slots = _context_slots(md.block_tables[i], ctx, bs)
-        mask = None
-        if ctx != q:
-            offset = ctx - q
-            qpos = torch.arange(q).unsqueeze(1) + offset
-            mask = torch.arange(ctx).unsqueeze(0) <= qpos
+        offset = ctx - q
+        qpos = torch.arange(q).unsqueeze(1) + offset
+        mask = torch.arange(ctx).unsqueeze(0) <= qpos
         prefills.append(_PrefillItem(starts[i], starts[i] + q, slots, mask))
-    plan = _Plan(decode, prefills)
+    groups = [_PrefillGroup(q, (torch.tensor(first).unsqueeze(1) + torch.arange(q)).reshape(-1))
+              for q, first in by_length.items()]
+    plan = _Plan(decode, prefills, groups)
     md.scratch[key] = plan
     return plan
 
@@ -164,23 +177,21 @@ class TorchSDPAImpl(AttentionImpl):
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # (Bd, Hk, ctx, D)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
             out[d.token_idx] = od.reshape(Bd, H, D)
-        for p in plan.prefills:
-            qp = q[p.start:p.end].transpose(0, 1)  # (H, q, D)
-            if p.mask is None:  # no cached prefix: the chunk's own K/V is the whole context
-                kp = key[p.start:p.end].view(-1, Hk, D).transpose(0, 1)  # (Hk, ctx, D)
-                vp = value[p.start:p.end].view(-1, Hk, D).transpose(0, 1)
-            else:
-                kp, vp = _gather_kv(k_cache, v_cache, p.slots)  # (ctx, Hk, D)
-                kp, vp = kp.transpose(0, 1), vp.transpose(0, 1)
-            if g > 1:
-                kp = kp.repeat_interleave(g, dim=0)
-                vp = vp.repeat_interleave(g, dim=0)
-            # 4-D inputs take torch's flash kernel on CPU; 3-D ones do not (about 2x slower).
-            qp, kp, vp = qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0)
-            if p.mask is None:
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale)
-            else:
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale)
+        # 4-D inputs take torch's flash kernel on CPU (3-D ones do not: about 2x slower); it
+        # handles GQA itself (enable_gqa), so K/V are not repeated per query head.
+        gqa = g > 1
+        for grp in plan.groups:  # same-length chunks without a prefix: one batched causal call
+            n, L = grp.tokens.shape[0] // grp.length, grp.length
+            qg = q.index_select(0, grp.tokens).view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
+            kg = key.view(T, Hk, D).index_select(0, grp.tokens).view(n, L, Hk, D).transpose(1, 2)
+            vg = value.view(T, Hk, D).index_select(0, grp.tokens).view(n, L, Hk, D).transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            out.index_copy_(0, grp.tokens, og.transpose(1, 2).reshape(n * L, H, D))
+        for p in plan.prefills:  # chunks after a cached prefix: K/V gathered, masked with the offset
+            qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
+            kp, vp = _gather_kv(k_cache, v_cache, p.slots)  # (ctx, Hk, D)
+            kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa)
             out[p.start:p.end] = op[0].transpose(0, 1)
         return out.view(T, H * D)
 
