@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,6 +107,17 @@ def test_ops_run_the_installed_kernels_on_cpu(k, monkeypatch):
     assert len(calls) == 1
 
 
+def test_shapes_the_kernels_cannot_take_are_refused_or_run_the_reference(k):
+    q, kk = torch.randn(3, 32), torch.randn(2, 16)  # 3 query rows, 2 key rows: never written out of bounds
+    cache = RotaryEmbedding(16, 16, 8, 10000.0).cos_sin_cache
+    with pytest.raises(ValueError, match="do not fit"):
+        k.rotary_embedding(torch.tensor([0, 1, 2]), q, kk, 16, cache, True)
+    x, w, r = torch.randn(4, 8), torch.randn(8), torch.randn(1, 8)  # a broadcast residual: the reference
+    out, res = k.rms_norm(x, w, 1e-6, r)
+    want_out, want_res = RMSNorm.forward_native(SimpleNamespace(weight=w, variance_epsilon=1e-6), x, r)
+    assert torch.equal(out, want_out) and torch.equal(res, want_res)
+
+
 def test_no_compiler_keeps_the_reference_path(monkeypatch, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     cpu_kernels.kernels.cache_clear()
@@ -133,5 +145,5 @@ def test_a_llama_layer_stack_matches_with_and_without_kernels(k, dtype):
     x = torch.randn(50, 256, generator=g).to(dtype)
     w = torch.randn(256, generator=g).to(dtype)
     a = k.rms_norm(x, w, 1e-6)
-    b = cpu_kernels._reference_rms_norm(x, w, 1e-6)
+    b = cpu_kernels._native_rms_norm(x, w, 1e-6)
     torch.testing.assert_close(k.silu_and_mul(a), F.silu(b[:, :128]) * b[:, 128:], **_tol(dtype))

@@ -86,7 +86,7 @@ def test_packed_lm_head_skips_padding_rows(bias):
     want = want_logits.argmax(-1)
     packed = LogitsProcessor(1000)
     packed.chunk = 96
-    onednn._pack_head(packed, head)
+    packed.packed_head = onednn.PackedHead(head.weight, packed.chunk)
     assert [hi - lo for lo, hi, _ in packed.packed_head.chunks][-1] == 1024 - 10 * 96
     torch.testing.assert_close(packed(head, hidden), want_logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(packed.greedy_token_ids(head, hidden), want)

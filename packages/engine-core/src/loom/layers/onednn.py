@@ -9,8 +9,9 @@ on the machines measured, within float rounding in fp32); ``bench/roofline.py`` 
 per-shape rates of both.
 
 The packed weight replaces the dense one (no second copy); ``weight.to_dense()`` and the
-model's ``state_dict()`` give the dense tensor back. The LM head, whose weight is often the embedding table as well, is packed
-as a separate copy in vocabulary chunks (``PackedHead``), since the embedding gathers rows.
+model's ``state_dict()`` give the dense tensor back. The LM head, whose weight is often the
+embedding table as well, is packed as a separate copy in vocabulary chunks (``PackedHead``),
+since the embedding gathers rows.
 
 Only on the CPU, for float32 and bfloat16, where torch was built with oneDNN;
 ``LOOM_CPU_PREPACK=0`` keeps ``F.linear``.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -28,9 +28,6 @@ import torch.nn.functional as F
 
 from .. import envs
 from ..logger import init_logger
-
-if TYPE_CHECKING:
-    from .logits_processor import LogitsProcessor
 
 logger = init_logger("loom.layers.onednn")
 
@@ -68,10 +65,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 class PackedHead:
     """The LM head's weight packed in vocabulary chunks: ``[(lo, hi, packed rows lo:hi)]``."""
 
-    def __init__(self, weight: torch.Tensor, rows: int, chunk: int) -> None:
+    def __init__(self, weight: torch.Tensor, chunk: int) -> None:
+        # every row of this rank's shard, padding too: forward() gathers whole shards across ranks
         self.chunk = chunk
-        self.chunks = [(lo, min(lo + chunk, rows), pack_weight(weight[lo:min(lo + chunk, rows)]))
-                       for lo in range(0, rows, chunk)]
+        rows = weight.shape[0]
+        self.chunks = [(lo, min(lo + chunk, rows), pack_weight(weight[lo:lo + chunk])) for lo in range(0, rows, chunk)]
 
 
 def prepack_model(model: nn.Module) -> int:
@@ -94,7 +92,7 @@ def prepack_model(model: nn.Module) -> int:
         for module in model.modules():
             if (isinstance(module, LogitsProcessor) and module.packed_head is None and lm_head is not None
                     and enabled_for(lm_head.weight)):
-                _pack_head(module, lm_head)
+                module.packed_head = PackedHead(lm_head.weight, module.chunk)
                 packed += 1
     if packed:
         _return_freed_memory()
@@ -116,8 +114,3 @@ def _dense_state(module: nn.Module, state_dict: dict, prefix: str, local_metadat
     key = prefix + "weight"
     if key in state_dict and state_dict[key].is_mkldnn:
         state_dict[key] = state_dict[key].to_dense()
-
-
-def _pack_head(processor: LogitsProcessor, lm_head: nn.Module) -> None:
-    # every row of this rank's shard, padding too: forward() gathers whole shards across ranks
-    processor.packed_head = PackedHead(lm_head.weight, lm_head.weight.shape[0], processor.chunk)

@@ -17,10 +17,13 @@ import ctypes
 import functools
 import subprocess
 from importlib import resources
+from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from loom_plugin_api import CustomOp
+from loom_plugin_api.ops.activation import SiluAndMul
+from loom_plugin_api.ops.layernorm import RMSNorm
+from loom_plugin_api.ops.rotary_embedding import RotaryEmbedding
 
 from .. import envs
 from ..attention.backends import native
@@ -60,14 +63,14 @@ class CpuKernels:
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         fn = self._fns.get(("rms_norm", x.dtype))
         n = x.shape[-1]
-        if (fn is None or weight.dtype != x.dtype or not weight.is_contiguous() or n > 16384
-                or (residual is not None and residual.dtype != x.dtype)):
-            return _reference_rms_norm(x, weight, eps, residual)
+        if (fn is None or weight.shape != (n,) or weight.dtype != x.dtype or not weight.is_contiguous() or n > 16384
+                or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
+            return _native_rms_norm(x, weight, eps, residual)  # what the kernel cannot take as rows
         xr = _rows(x)
         out = torch.empty(x.shape, dtype=x.dtype)
         res_rows = res_out = None
         if residual is not None:
-            res_rows, res_out = _rows(residual.expand_as(x)), torch.empty(x.shape, dtype=x.dtype)
+            res_rows, res_out = _rows(residual), torch.empty(x.shape, dtype=x.dtype)
         rows = xr.shape[0]
         fn(xr.data_ptr(), xr.stride(0), 0 if res_rows is None else res_rows.data_ptr(),
            0 if res_rows is None else res_rows.stride(0), weight.data_ptr(), out.data_ptr(), n,
@@ -77,8 +80,8 @@ class CpuKernels:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         fn = self._fns.get(("silu_and_mul", x.dtype))
         d = x.shape[-1] // 2
-        if fn is None:
-            return F.silu(x[..., :d]) * x[..., d:]
+        if fn is None or x.shape[-1] % 2:
+            return SiluAndMul.forward_native(None, x)  # its reference (self unused); odd widths fail there
         xr = _rows(x)
         out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
         fn(xr.data_ptr(), xr.stride(0), out.data_ptr(), d, xr.shape[0], d, torch.get_num_threads())
@@ -88,10 +91,15 @@ class CpuKernels:
                          cos_sin_cache: torch.Tensor, is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates ``query`` and ``key`` (``(T, H*D)``, rows may be strided) in place; returns them."""
         fn = self._fns.get(("rotary", query.dtype))
-        t = positions.shape[0]
+        t = positions.numel()
+        rot = cos_sin_cache.shape[-1]
+        if (query.shape[0] != t or key.shape[0] != t or query.shape[-1] % head_size or key.shape[-1] % head_size
+                or rot % 2 or rot > head_size):
+            raise ValueError(f"rotary_embedding: {t} positions, query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                             f"head_size {head_size} and rotary_dim {rot} do not fit (T, heads * head_size) rows")
         if (fn is None or key.dtype != query.dtype or query.dim() != 2 or key.dim() != 2
                 or query.stride(1) != 1 or key.stride(1) != 1):
-            return _reference_rotary(positions, query, key, head_size, cos_sin_cache, is_neox_style)
+            return _native_rotary(positions, query, key, head_size, cos_sin_cache, is_neox_style)
         pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() else \
             positions.to(torch.int64).contiguous()
         cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(1) == 1 else \
@@ -104,27 +112,19 @@ class CpuKernels:
         return query, key
 
 
-def _reference_rms_norm(x, weight, eps, residual=None):
-    """``RMSNorm.forward_native``'s math (the op whose kernel this is)."""
-    dtype, s = x.dtype, x.float()
-    if residual is not None:
-        s = s + residual.float()
-    out = (s * torch.rsqrt(s.pow(2).mean(dim=-1, keepdim=True) + eps)).to(dtype) * weight
-    return out if residual is None else (out, s.to(dtype))
+def _native_rms_norm(x, weight, eps, residual=None):
+    """The in-tree op's own reference (``forward_native`` reads only these two attributes)."""
+    return RMSNorm.forward_native(SimpleNamespace(weight=weight, variance_epsilon=eps), x, residual)
 
 
-def _reference_rotary(positions, query, key, head_size, cos_sin_cache, is_neox_style):
-    """``RotaryEmbedding.forward_native``'s math, written back in place as the kernel does."""
-    half = cos_sin_cache.shape[1] // 2
-    cos, sin = cos_sin_cache.index_select(0, positions.flatten()).float().unsqueeze(1).split(half, dim=-1)
-    for x in (query, key):
-        v = x.view(positions.numel(), -1, head_size)
-        if is_neox_style:
-            x1, x2 = v[..., :half].float(), v[..., half:2 * half].float()
-            v[..., :half], v[..., half:2 * half] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
-        else:
-            x1, x2 = v[..., 0:2 * half:2].float(), v[..., 1:2 * half:2].float()
-            v[..., 0:2 * half:2], v[..., 1:2 * half:2] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+def _native_rotary(positions, query, key, head_size, cos_sin_cache, is_neox_style):
+    """The in-tree op's reference, written back into ``query``/``key`` as the kernel does."""
+    op = SimpleNamespace(cos_sin_cache=cos_sin_cache, head_size=head_size, rotary_dim=cos_sin_cache.shape[-1],
+                         is_neox_style=is_neox_style)
+    op._rotate = functools.partial(RotaryEmbedding._rotate, op)
+    q, k = RotaryEmbedding.forward_native(op, positions, query, key)
+    query.copy_(q)
+    key.copy_(k)
     return query, key
 
 
@@ -134,13 +134,13 @@ def _self_check(k: CpuKernels) -> None:
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         x, r = (torch.randn(5, 40, generator=g).to(dtype) for _ in range(2))
         w = torch.randn(40, generator=g).to(dtype)
-        checks = [("rms_norm", k.rms_norm(x, w, 1e-6, r), _reference_rms_norm(x, w, 1e-6, r)),
-                  ("silu_and_mul", k.silu_and_mul(x), F.silu(x[:, :20]) * x[:, 20:])]
+        checks = [("rms_norm", k.rms_norm(x, w, 1e-6, r), _native_rms_norm(x, w, 1e-6, r)),
+                  ("silu_and_mul", k.silu_and_mul(x), SiluAndMul.forward_native(None, x))]
         qkv = torch.randn(3, 6 * 16, generator=g).to(dtype)
         cache = torch.randn(8, 12, generator=g)
         pos = torch.tensor([7, 0, 3])
         for neox in (True, False):
-            want = _reference_rotary(pos, qkv[:, :64].clone(), qkv[:, 64:].clone(), 16, cache, neox)
+            want = _native_rotary(pos, qkv[:, :64].clone(), qkv[:, 64:].clone(), 16, cache, neox)
             q, kk = qkv[:, :64].clone(), qkv[:, 64:].clone()
             checks.append(("rotary_embedding", k.rotary_embedding(pos, q, kk, 16, cache, neox), want))
         for name, got, want in checks:

@@ -59,12 +59,17 @@ def _compiler() -> str:
     return cc
 
 
+@functools.cache
+def _compiler_version(cc: str) -> str:
+    """``cc --version``, asked once per process (each kernel library's cache key includes it)."""
+    return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+
+
 def _build(cc: str, source: bytes, stem: str = "paged_decode", what: str = "the CPU paged-attention kernel") -> str:
     """Compile ``source`` into ``<LOOM_CACHE_DIR>/kernels/<stem>-<key>.so`` unless a build with
     the same key is cached; return the .so path. The CPU platform's fused ops build here too."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join(
-        [source, " ".join(_FLAGS).encode(), version.encode(), _cpu_signature()])).hexdigest()[:16]
+        [source, " ".join(_FLAGS).encode(), _compiler_version(cc).encode(), _cpu_signature()])).hexdigest()[:16]
     folder = os.path.join(envs.LOOM_CACHE_DIR, "kernels")
     path = os.path.join(folder, f"{stem}-{key}.so")
     if os.path.exists(path):
