@@ -56,14 +56,15 @@ def test_rms_norm(k, dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,d", [(1, 1536), (33, 96), (200, 8)])
+@pytest.mark.parametrize("rows,d", [(1, 1536), (33, 96), (200, 8), (5, 40)])  # whole vectors, a tail, both
 def test_silu_and_mul(k, dtype, rows, d):
     g = torch.Generator().manual_seed(d)
     x = (torch.randn(rows, 2 * d, generator=g) * 4).to(dtype)
-    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-3])  # saturated, zero and tiny gates
+    # saturated, zero and tiny gates, both sides of exp's clamp, and a NaN that must stay one
+    x[0, :8] = torch.tensor([-100.0, 100.0, 0.0, -1e-3, -86.5, -88.0, 89.0, float("nan")])
     got, want = k.silu_and_mul(x), SiluAndMul().forward_native(x)
     assert got.shape == (rows, d)
-    torch.testing.assert_close(got, want, **_tol(dtype))
+    torch.testing.assert_close(got, want, equal_nan=True, **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

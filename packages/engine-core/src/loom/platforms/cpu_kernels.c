@@ -4,9 +4,12 @@
  * Semantics are those of the reference ops (loom_plugin_api.ops): arithmetic in fp32, results
  * rounded to the tensor's dtype at the same points the reference rounds, so bf16 outputs agree
  * with it to within float rounding of the fp32 intermediates. Built by loom.platforms.cpu_kernels
- * with the machine's compiler (-O3 -march=native) and cached, like the paged-decode kernel; the
- * inner loops are plain C that the compiler vectorizes (`omp simd`). Rows are split across
- * OpenMP threads, on torch's own pool (libgomp resolves to the copy torch loaded).
+ * with the machine's compiler (-O3 -march=native) and cached, like the paged-decode kernel. The
+ * RMSNorm and rotary loops are plain C that the compiler vectorizes (`omp simd`); SiLU-and-mul
+ * is written with explicit vectors, because GCC if-converts the scalar exp's clamp into several
+ * masked divisions per lane, some of them computing denormals (ten times slower than torch).
+ * Rows are split across OpenMP threads, on torch's own pool (libgomp resolves to the copy torch
+ * loaded).
  *
  * Every row argument is (rows, row stride) with unit stride inside a row.
  */
@@ -33,22 +36,51 @@ static inline bf16_t to_bf16(float f) { /* round to nearest even; NaN stays NaN 
 static inline float round_f32(float f) { return f; }
 static inline float round_bf16(float f) { return f32_from_bf16(to_bf16(f)); }
 
-/* e^x for any float x, branch-free so that loops over it vectorize (Cephes' expf polynomial,
- * x clamped to [-87, 88.7], where 2^n stays a normal float: beyond it only the last digits of
- * SiLU's tiny or saturated values differ from the unclamped exp). */
-static inline float exp_any(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.7f ? 88.7f : x);
-    const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+/* Sixteen-float vectors (GCC vector extensions): one AVX-512 register or two AVX2 ones with
+ * -march=native, so the elementwise kernels do not depend on the auto-vectorizer. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f load16_f32(const float *p) { v16f x; memcpy(&x, p, sizeof x); return x; }
+static inline v16f load16_bf16(const bf16_t *p) {
+    v16h h; memcpy(&h, p, sizeof h);
+    return (v16f)(__builtin_convertvector(h, v16u) << 16);
+}
+static inline void store16_f32(float *p, v16f x) { memcpy(p, &x, sizeof x); }
+static inline v16u bf16_bits16(v16f x) { /* to_bf16 on sixteen lanes, in the low 16 bits */
+    const v16u u = (v16u)x;
+    const v16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+    return (rounded & ~nan) | (((u >> 16) | 0x40u) & nan);
+}
+static inline void store16_bf16(bf16_t *p, v16f x) {
+    const v16h h = __builtin_convertvector(bf16_bits16(x), v16h); memcpy(p, &h, sizeof h);
+}
+static inline v16f round16_f32(v16f x) { return x; }
+static inline v16f round16_bf16(v16f x) { return (v16f)(bf16_bits16(x) << 16); }
+
+static inline v16f select16(v16i mask, v16f a, v16f b) { return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask)); }
+
+/* e^x for any float x (Cephes' expf polynomial, x = n ln2 + r, e^x = 2^n e^r), x clamped to
+ * [-87, 88.7] where 2^n stays a normal float: beyond it only the last digits of SiLU's tiny or
+ * saturated values differ from the unclamped exp, and no lane ever computes a denormal. */
+static inline v16f exp16(v16f x) {
+    x = select16(x < -87.0f, (v16f){} - 87.0f, x);
+    x = select16(x > 88.7f, (v16f){} + 88.7f, x);
+    const v16f t = x * 1.44269504088896341f + 0.5f;
+    v16i n = __builtin_convertvector(t, v16i);                  /* truncates toward zero ...  */
+    n -= (v16i)(__builtin_convertvector(n, v16f) > t) & 1;      /* ... floor: one less when t < 0 */
+    const v16f nf = __builtin_convertvector(n, v16f);
+    const v16f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    int32_t bits; memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)n << 23; /* times 2^n */
-    float y; memcpy(&y, &bits, sizeof y); return y;
+    return (v16f)((v16i)p + (n << 23));                          /* times 2^n */
 }
 
 #define DEFINE_KERNELS(NAME, T)                                                                  \
@@ -95,10 +127,18 @@ int silu_and_mul_##NAME(const T *x, int64_t xs, T *out, int64_t os, int64_t rows
     for (int64_t t = 0; t < rows; t++) {                                                           \
         const T *g = x + t * xs, *u = g + d;                                                       \
         T *o = out + t * os;                                                                       \
-        _Pragma("omp simd")                                                                        \
-        for (int64_t i = 0; i < d; i++) {                                                          \
-            const float a = f32_from_##NAME(g[i]);                                                 \
-            o[i] = to_##NAME(round_##NAME(a / (1.0f + exp_any(-a))) * f32_from_##NAME(u[i]));      \
+        int64_t i = 0;                                                                             \
+        for (; i + 16 <= d; i += 16) {                                                               \
+            const v16f a = load16_##NAME(g + i);                                                     \
+            store16_##NAME(o + i, round16_##NAME(round16_##NAME(a / (1.0f + exp16(-a))) * load16_##NAME(u + i))); \
+        }                                                                                          \
+        if (i < d) { /* the tail, through a zero-padded vector */                                 \
+            T gt[16] = {0}, ut[16] = {0}, ot[16];                                                     \
+            memcpy(gt, g + i, (d - i) * sizeof(T));                                                \
+            memcpy(ut, u + i, (d - i) * sizeof(T));                                                \
+            const v16f a = load16_##NAME(gt);                                                        \
+            store16_##NAME(ot, round16_##NAME(round16_##NAME(a / (1.0f + exp16(-a))) * load16_##NAME(ut))); \
+            memcpy(o + i, ot, (d - i) * sizeof(T));                                                \
         }                                                                                          \
     }                                                                                              \
     return 0;                                                                                      \
