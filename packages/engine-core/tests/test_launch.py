@@ -14,8 +14,15 @@ from loom.ipc.messages import MESSAGES_VERSION
 from loom_supervisor import Plan
 
 
-def config(tp: int) -> SimpleNamespace:
-    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+class _ModelConfig(SimpleNamespace):
+    def get_hidden_size(self) -> int:
+        return self.hidden_size
+
+
+def config(tp: int, hidden_size: int = 128) -> SimpleNamespace:
+    """Just what the plan reads (the plan pickles it, so no lambdas)."""
+    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+                           model_config=_ModelConfig(hidden_size=hidden_size))
 
 
 def parse(argv: list[str]) -> ServerConfig:
@@ -63,17 +70,19 @@ def test_stream_interval_must_be_positive() -> None:
         parse(["--stream-interval", "0"])
 
 
-@pytest.mark.parametrize(("operator", "want"), [
-    ({}, "1000"),  # loom's short spin
-    ({"GOMP_SPINCOUNT": "50"}, "50"),  # the operator's count wins
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, None),  # so does a wait policy: no count is added beside it
+@pytest.mark.parametrize(("operator", "hidden", "want"), [
+    ({}, 128, "1000"),  # loom's short spin for a small model
+    ({}, 576, None),  # libgomp's own spin for a real one (the default model's width)
+    ({"GOMP_SPINCOUNT": "50"}, 128, "50"),  # the operator's count wins
+    ({"GOMP_SPINCOUNT": "50"}, 4096, "50"),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, 128, None),  # so does a wait policy: no count is added beside it
 ])
-def test_workers_spin_briefly_unless_the_operator_says(monkeypatch, operator, want) -> None:
+def test_workers_of_small_models_spin_briefly_unless_the_operator_says(monkeypatch, operator, hidden, want) -> None:
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     for name, value in operator.items():
         monkeypatch.setenv(name, value)
-    plan = build_plan(config(2), ServerConfig())
+    plan = build_plan(config(2, hidden), ServerConfig())
     workers = [p for p in plan.processes if p.role == "worker"]
     assert [p.env.get("GOMP_SPINCOUNT") for p in workers] == [want, want]
     assert all("GOMP_SPINCOUNT" not in p.env or operator for p in plan.processes if p.role != "worker")

@@ -31,21 +31,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# libgomp's OpenMP threads spin for GOMP_SPINCOUNT iterations (300,000 by default, several ms)
-# after each parallel region before they sleep. A worker's threads then spin between steps on
-# the cores the front end, the engine core and the clients need: with 200 streams of a tiny model
-# that halved the served throughput. 1,000 keeps a short spin across the back-to-back regions
-# of one step (bench/serve_throughput.py: 907 -> 1,688 tok/s on the 2M OPT; the default model
-# the same within noise). The operator's own value wins.
+# libgomp's OpenMP threads spin for GOMP_SPINCOUNT rounds (300,000 by default: about 3 ms at
+# the ~10 ns of a PAUSE here) after each parallel region before they sleep. What that costs
+# depends on the model. A tiny one's step is mostly Python between small ops, so a worker's
+# second thread spins through the whole step on the core the front end, the engine core and
+# local clients need: 200 streams of the 2M OPT served 2,816 tok/s with the default spin and
+# 4,530 with 1,000 rounds. A real one runs back-to-back regions, and a thread that fell
+# asleep between two of them is woken for the next: the default model served 505 tok/s with
+# 1,000 rounds and 603 with the default (bench/serve_throughput.py, 2026-12-02, docs/decisions.md).
+# So workers of models narrower than SHORT_SPIN_BELOW_HIDDEN spin briefly; the others keep
+# libgomp's spin. The operator's own GOMP_SPINCOUNT or OMP_WAIT_POLICY wins.
 WORKER_GOMP_SPINCOUNT = "1000"
+SHORT_SPIN_BELOW_HIDDEN = 512
 
 
-def worker_env(env: dict[str, str], tp: int) -> dict[str, str]:
+def worker_env(env: dict[str, str], tp: int, hidden_size: int) -> dict[str, str]:
     """The workers' environment: a rendezvous address for torch.distributed, a short OpenMP
-    spin, and a share of the cores each, so that ranks do not oversubscribe them."""
+    spin for small models, and a share of the cores each, so that ranks do not oversubscribe them."""
     wenv = dict(env, LOOM_DIST_INIT_METHOD=f"tcp://127.0.0.1:{_free_port()}")
-    if "OMP_WAIT_POLICY" not in wenv:  # a policy the operator chose decides the spinning alone
-        wenv.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)
+    if "OMP_WAIT_POLICY" not in wenv and hidden_size < SHORT_SPIN_BELOW_HIDDEN:
+        wenv.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)  # a policy the operator chose decides alone
     if tp > 1:
         per_rank = max(1, (os.cpu_count() or 1) // tp)
         wenv.setdefault("LOOM_CPU_NUM_THREADS", str(per_rank))
@@ -70,7 +75,7 @@ def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge
         processes.append(ProcessPlan(role="engine_core", env=dict(env, LOOM_BRIDGE_SOCKET=str(bridge_socket)),
                                      argv=[python, "-m", "loom.engine.bridge"]))
     tp = config.parallel_config.tensor_parallel_size
-    wenv = worker_env(env, tp)
+    wenv = worker_env(env, tp, config.model_config.get_hidden_size())
     processes += [ProcessPlan(role="worker", rank=rank, env=wenv,
                               argv=[python, "-m", "loom.worker.proc", "--rank", str(rank)])
                   for rank in range(tp)]
