@@ -8,6 +8,9 @@ Prompts are random token ids (fixed seed), sent as token-id prompts so every req
 exactly ``--input-len`` prompt tokens; EOS is ignored so each makes ``--output-len``.
 ``--request-rate inf`` (default) sends everything at once; otherwise Poisson arrivals.
 ``--compare-offline`` also runs the same workload through ``loom.LLM`` in this process.
+``--client-ceiling`` also runs it against ``_sse_replay.py``, a server that only writes
+pre-serialized chunks: the streamed tokens a second the official client alone can take here,
+the ceiling of any served figure this script measures on a machine it shares with the server.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import argparse
 import asyncio
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _serve import start, stop, wait_healthy  # noqa: E402
+from _serve import free_port, start, stop, wait_healthy  # noqa: E402
 from offline_throughput import SHAPES, VOCAB, build_random_model, run_loom, workload  # noqa: E402
 
 
@@ -81,6 +85,20 @@ async def run_load(url: str, model: str, prompts: list[list[int]], output_len: i
     }
 
 
+def client_ceiling(prompts: list[list[int]], output_len: int, seed: int) -> float:
+    """Output tok/s of the same load against a server that only writes pre-serialized chunks."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_sse_replay.py"), str(port)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        return asyncio.run(run_load(f"http://127.0.0.1:{port}", "replay", prompts, output_len, float("inf"),
+                                    seed))["tok_s"]
+    finally:
+        server.kill()
+        server.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="an already running server; else one is launched")
@@ -94,6 +112,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--compare-offline", action="store_true")
+    parser.add_argument("--client-ceiling", action="store_true",
+                        help="also load a do-nothing SSE server (_sse_replay.py) with the same client and workload")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="an extra flag for loom serve, e.g. --serve-arg=--stream-interval=8 (repeatable)")
     args = parser.parse_args()
@@ -130,6 +150,10 @@ def main() -> None:
         print(f"TTFT p50 {r['ttft_p50'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms; "
               f"TPOT p50 {r['tpot_p50'] * 1e3:.1f} ms, p99 {r['tpot_p99'] * 1e3:.1f} ms; "
               f"e2e p50 {r['e2e_p50']:.2f} s, p99 {r['e2e_p99']:.2f} s")
+        if args.client_ceiling:
+            c = client_ceiling(prompts, args.output_len, args.seed)
+            print(f"client ceiling (the official client against _sse_replay.py): {c:,.0f} output tok/s; "
+                  f"serve / ceiling = {r['tok_s'] / c:.2f}")
         if args.compare_offline:
             elapsed, tokens = run_loom(model_path, prompts, args.output_len, args.dtype)
             offline = tokens / elapsed
