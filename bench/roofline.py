@@ -13,8 +13,13 @@ decodes of earlier requests ride along) and decode steps, and the profiler's sel
 per step is bucketed into GEMMs, attention, norms and activations, embedding and LM head,
 sampling, other ops and Python, through scopes the script hooks onto loom's modules.
 
+With ``--peer-python`` (vLLM's interpreter, ``../shared/TOOLCHAIN.md``) the random-shape
+models also run through vLLM's CPU build (``peer_vllm.py``) on the same prompts and weights,
+in the same run, and the table gives loom / vLLM beside loom / bound.
+
     python bench/roofline.py --models opt-125m --dtype bfloat16
     python bench/roofline.py --models default opt-2m --no-profile
+    python bench/roofline.py --models opt-125m opt-2m --dtype bfloat16 --no-profile --peer-python /tmp/vllm/bin/python
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ import argparse
 import contextlib
 import datetime
 import functools
+import json
 import os
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -258,9 +265,35 @@ def run_model(name: str, args: argparse.Namespace, root: str) -> tuple[float, di
           f"| GEMM-only bound | {r['seconds']:.3g} s = {r['tok_s']:,.0f} output tok/s |\n"
           f"| loom | {elapsed:.3g} s = {loom_tps:,.0f} output tok/s |\n| loom / bound | {loom_tps / r['tok_s']:.0%} |",
           flush=True)
+    peer = run_peer(args.peer_python, model, prompts, args.output_len, args.dtype, root) if args.peer_python else None
+    if peer is not None:
+        print(f"| vLLM (same prompts, same weights) | {peer:,.0f} output tok/s = {peer / r['tok_s']:.0%} of the bound |\n"
+              f"| loom / vLLM | {loom_tps / peer:.2f}x |", flush=True)
     if not args.no_profile:
         print_breakdown(LLM(model, **engine), others, args.output_len, r)
-    return loom_tps, r
+    return loom_tps, r, peer
+
+
+def run_peer(python: str, model: str | None, prompts: list[list[int]], output_len: int, dtype: str,
+             root: str) -> float | None:
+    """vLLM's figure for the same workload (``peer_vllm.py`` under vLLM's own interpreter)."""
+    if model is None:
+        print("| vLLM | not run: the default model is a GGUF file; the peer runs the random-shape models |")
+        return None
+    path = os.path.join(root, "prompts.json")
+    with open(path, "w") as f:
+        json.dump(prompts, f)
+    script = os.path.join(os.path.dirname(__file__), "peer_vllm.py")
+    done = subprocess.run([python, script, model, path, str(output_len), dtype], capture_output=True, text=True)
+    if done.returncode != 0:
+        errors = [ln for ln in (done.stdout + done.stderr).splitlines() if "Error:" in ln] or ["(no error line)"]
+        print(f"| vLLM | failed with {done.returncode}: {errors[-1].strip()[-160:]} |")
+        return None
+    result = [ln for ln in done.stdout.splitlines() if ln.startswith("peer-result ")]
+    if not result:
+        print(f"| vLLM | printed no result: {done.stdout.strip().splitlines()[-1:]} |")
+        return None
+    return float(json.loads(result[-1].split(" ", 1)[1])["tok_s"])
 
 
 def print_breakdown(llm: Any, workloads: list[list[list[int]]], output_len: int, r: dict[str, Any]) -> None:
@@ -305,17 +338,21 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run and its breakdown")
+    parser.add_argument("--peer-python", default=None,
+                        help="vLLM's interpreter (../shared/TOOLCHAIN.md): also run the workload there, same run")
     args = parser.parse_args()
     print(f"# loom roofline, {datetime.datetime.now():%Y-%m-%d %H:%M}\n\n`python {shlex.join(sys.argv)}`\n\n"
           f"{machine(args.dtype)}; {args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
           "greedy, EOS ignored")
-    results: dict[str, tuple[float, dict[str, Any]]] = {}
+    results: dict[str, tuple[float, dict[str, Any], float | None]] = {}
     with tempfile.TemporaryDirectory() as root:
         for name in args.models:
             results[name] = run_model(name, args, root)
-    print("\n| model | dtype | loom tok/s | GEMM-only bound tok/s | loom / bound |\n|---|---|---|---|---|")
-    for name, (tps, r) in results.items():
-        print(f"| {name} | {args.dtype} | {tps:,.0f} | {r['tok_s']:,.0f} | {tps / r['tok_s']:.0%} |")
+    print("\n| model | dtype | loom tok/s | GEMM-only bound tok/s | loom / bound | vLLM tok/s | loom / vLLM |\n"
+          "|---|---|---|---|---|---|---|")
+    for name, (tps, r, peer) in results.items():
+        vs = f"{peer:,.0f} | {tps / peer:.2f}x" if peer else "- | -"
+        print(f"| {name} | {args.dtype} | {tps:,.0f} | {r['tok_s']:,.0f} | {tps / r['tok_s']:.0%} | {vs} |")
 
 
 if __name__ == "__main__":
