@@ -52,7 +52,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 6, 80)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 6, 80),
+                                                          (10, 2, 64), (16, 2, 32)])  # groups of 5 and 8: chunks of 4
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_kernel_matches_torch(kernel, dtype, heads, kv_heads, head_size, block_size):
     g = torch.Generator().manual_seed(heads * 1000 + head_size + block_size)
