@@ -113,7 +113,7 @@ def make_config(model: str, **engine_args):
 
 
 def tp_prefill_worker(rank: int, world_size: int, init_file: str, model_dirs: list[str],
-                      prompts: list[list[int]], out_path: str) -> None:
+                      prompts: list[list[int]], out_path: str, engine_args: dict | None = None) -> None:
     """Child of ``torch.multiprocessing.spawn``: one TP rank over gloo; rank 0 saves the logits."""
     import torch.distributed as dist
     from loom.distributed import destroy_model_parallel, initialize_model_parallel
@@ -125,8 +125,10 @@ def tp_prefill_worker(rank: int, world_size: int, init_file: str, model_dirs: li
         initialize_model_parallel(world_size)
         results = {}
         for model_dir in model_dirs:
-            model = get_model(make_config(model_dir, tensor_parallel_size=world_size))
+            model = get_model(make_config(model_dir, tensor_parallel_size=world_size, **(engine_args or {})))
             results[model_dir] = run_prefill(model, prompts)
+            results[model_dir + ":int4 layers"] = sum(type(getattr(m, "weight", None)).__name__ == "Int4Weight"
+                                                      for m in model.modules())
         if rank == 0:
             torch.save(results, out_path)
         # Tear gloo down only when both ranks are done: a rank that leaves early while

@@ -197,7 +197,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_tiny_gguf(path: str, hf_model, arch: str = "llama") -> None:
+def _write_tiny_gguf(path: str, hf_model, arch: str = "llama", quant=None) -> None:
+    """``quant(gguf_name)``: the GGML type to store a 2-D tensor as (None: F32)."""
     import gguf
 
     cfg = hf_model.config
@@ -239,7 +240,11 @@ def _write_tiny_gguf(path: str, hf_model, arch: str = "llama") -> None:
                 w = _permute(w, cfg.num_attention_heads)
             elif module == "self_attn.k_proj":
                 w = _permute(w, cfg.num_key_value_heads)
-        writer.add_tensor(gname, w)
+        qtype = quant(gname) if quant is not None and w.ndim == 2 else None
+        if qtype is not None:
+            writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gname, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

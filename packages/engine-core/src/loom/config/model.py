@@ -31,6 +31,9 @@ _DTYPES = {
 }
 
 
+QUANTIZATIONS = ("auto", "gguf", "none")
+
+
 @dataclass(slots=True, kw_only=True)
 class ModelConfig:
     model: str | None
@@ -39,6 +42,10 @@ class ModelConfig:
     dtype: str | torch.dtype = "auto"
     """``auto``, a dtype name or a ``torch.dtype``; resolved to a name (``float32``, ...)."""
     max_model_len: int | None = None
+    quantization: str = "auto"
+    """How linear weights are held: ``gguf`` keeps a GGUF file's 4-bit blocks (Q4_0, Q4_1) as
+    group-wise int4 and multiplies through the int4 kernel; ``none`` dequantizes every weight to
+    ``dtype``; ``auto`` is ``gguf`` for a GGUF file on the CPU in bfloat16, else ``none``."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int | None = 0
     served_model_name: str | None = None
@@ -63,6 +70,7 @@ class ModelConfig:
         for key, value in self.hf_overrides.items():
             setattr(self.hf_config, key, value)
         self.dtype = self._resolve_dtype(self.dtype, device_type, platform_dtypes)
+        self.quantization = self._resolve_quantization(self.quantization, device_type)
         architectures = list(getattr(self.hf_config, "architectures", None) or [])
         if not architectures:
             raise ValueError(
@@ -128,6 +136,22 @@ class ModelConfig:
         if platform_dtypes is not None and "bfloat16" not in platform_dtypes:
             return "float32", f"{why}, but the platform does not declare bfloat16"
         return "bfloat16", f"{why} and {source}"
+
+    def _resolve_quantization(self, quantization: str, device_type: str | None) -> str:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        gguf, host = self.model_format == "gguf", device_type in (None, "cpu")
+        if quantization == "auto":
+            resolved = "gguf" if gguf and host and self.dtype == "bfloat16" else "none"
+            logger.info("quantization auto resolved to %s", resolved)
+            return resolved
+        if quantization == "gguf" and not gguf:
+            raise ValueError(f"--quantization gguf keeps a GGUF file's blocks, but {self.model_path} is not a GGUF "
+                             "file; use --quantization none (or auto)")
+        if quantization == "gguf" and not host:
+            raise ValueError(f"--quantization gguf runs on the CPU platform only so far, not on {device_type}; "
+                             "use --quantization none (or auto)")
+        return quantization
 
     def _derived_max_model_len(self) -> int:
         for key in ("max_position_embeddings", "n_positions", "max_seq_len"):

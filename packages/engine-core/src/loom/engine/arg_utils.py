@@ -52,6 +52,9 @@ class EngineArgs:
     served_model_name: str | None = flag(None)
     dtype: str = flag("auto", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = flag(None, type=int)
+    quantization: str = flag(
+        "auto", choices=["auto", "gguf", "none"],
+        help="gguf: keep a GGUF file's 4-bit blocks as int4 (CPU); none: dequantize; auto: gguf for GGUF on a bf16 CPU")
     hf_overrides: dict[str, Any] = flag(
         default_factory=dict, type=_json_object,
         help='JSON object set on the HF config, e.g. \'{"architectures": ["MyLlama"]}\'')
@@ -100,7 +103,8 @@ class EngineArgs:
         current_platform.validate_environ(self.fail_on_environ_validation)
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-            max_model_len=self.max_model_len, hf_overrides=dict(self.hf_overrides), seed=self.seed,
+            max_model_len=self.max_model_len, quantization=self.quantization,
+            hf_overrides=dict(self.hf_overrides), seed=self.seed,
             served_model_name=self.served_model_name, device_type=device_config.device_type,
             platform_dtypes=tuple(current_platform.supported_dtypes),
         )

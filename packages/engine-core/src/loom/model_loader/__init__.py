@@ -49,6 +49,11 @@ def _load_gguf(model: nn.Module, config: LoomConfig, show_progress: bool) -> str
     from .weight_utils import safetensors_weights_iterator
 
     source = config.model_config.model_path
+    if getattr(config.model_config, "quantization", "none") == "gguf":
+        from .gguf_int4 import load_gguf_int4  # lazy: it imports torch and the layers
+
+        load_gguf_int4(model, source, config.model_config.torch_dtype)
+        return source
     cache_dir = ensure_gguf_cache(source)
     load_weights_into(model, safetensors_weights_iterator([gguf_weights_file(cache_dir)], show_progress), source)
     return source

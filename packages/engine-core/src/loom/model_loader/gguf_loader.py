@@ -41,10 +41,13 @@ logger = init_logger(__name__)
 __all__ = [
     "ensure_gguf_cache",
     "get_gguf_tokenizer",
+    "gguf_config_dict",
+    "gguf_entries",
     "gguf_cache_dir",
     "gguf_weights_file",
     "iterate_gguf_weights",
     "load_gguf_config",
+    "open_gguf",
     "reverse_permute",
 ]
 
@@ -102,7 +105,7 @@ class _Metadata:
         return value
 
 
-def _open(path: str) -> _Metadata:
+def open_gguf(path: str) -> _Metadata:
     # lazy: gguf costs start-up time, and a model converted once (cached) never opens the file again
     from gguf import GGUFReader
 
@@ -113,7 +116,7 @@ def _open(path: str) -> _Metadata:
     return _Metadata(reader, path)
 
 
-def _config_dict(meta: _Metadata) -> dict[str, Any]:
+def gguf_config_dict(meta: _Metadata) -> dict[str, Any]:
     arch = meta.require("general.architecture")
     if arch != "llama":
         raise ValueError(
@@ -195,8 +198,9 @@ def _hf_name(gguf_name: str) -> str | None:
     return None if mapped is None else f"{mapped}.{suffix}"
 
 
-def _gguf_tensors(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], Any]]:
-    """``(hf_name, shape, make_array)`` for each tensor, in file order, without dequantizing."""
+def gguf_entries(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], Any, int | None]]:
+    """``(hf_name, shape, GGUF tensor, n_head)`` for each tensor in file order; ``n_head`` is
+    set for Q and K, whose rows llama.cpp permuted (``reverse_permute`` undoes it)."""
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for tensor in meta.reader.tensors:
         name = _hf_name(tensor.name)
@@ -205,9 +209,15 @@ def _gguf_tensors(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str
                              "a Llama parameter")
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ne order -> row-major
         n_head = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
+        yield name, shape, tensor, n_head
+
+
+def _gguf_tensors(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], Any]]:
+    """``(hf_name, shape, make_array)`` for each tensor, in file order, without dequantizing."""
+    for name, shape, tensor, n_head in gguf_entries(meta, config):
 
         def make(tensor: Any = tensor, shape: tuple[int, ...] = shape, n_head: int | None = n_head) -> np.ndarray:
-            from gguf.quants import dequantize  # lazy: as GGUFReader in _open
+            from gguf.quants import dequantize  # lazy: as GGUFReader in open_gguf
 
             try:
                 array = dequantize(tensor.data, tensor.tensor_type)
@@ -224,8 +234,8 @@ def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, float32 tensor)`` of every tensor of a llama GGUF file, Q/K un-permuted."""
     import torch  # lazy: the CLI, front end and engine core use this module without torch
 
-    meta = _open(path)
-    config = _config_dict(meta)
+    meta = open_gguf(path)
+    config = gguf_config_dict(meta)
     for name, _, make in _gguf_tensors(meta, config):
         array = make()
         # F32 tensors are views of the read-only memory map; torch wants writable memory.
@@ -370,8 +380,8 @@ def ensure_gguf_cache(path: str, cache_root: str | None = None) -> str:
 def _convert(path: str, out_dir: str) -> None:
     start = time.perf_counter()
     logger.info("Converting GGUF file %s into the loom cache (once per file)", path)
-    meta = _open(path)
-    config = _config_dict(meta)
+    meta = open_gguf(path)
+    config = gguf_config_dict(meta)
     _make_hf_config(config).save_pretrained(out_dir)
     _build_tokenizer(meta).save_pretrained(out_dir)
     _write_safetensors(os.path.join(out_dir, _WEIGHTS_FILE), _gguf_tensors(meta, config))

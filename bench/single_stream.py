@@ -1,0 +1,213 @@
+"""One chat stream, the way a person chatting sees it: tok/s, inter-token latency, TTFT, and
+how close decoding comes to reading the weights once per token at this machine's bandwidth.
+
+    python bench/single_stream.py                               # the default model, auto and none
+    python bench/single_stream.py --quantization gguf none --serve
+    python bench/single_stream.py --model path/to/model.gguf --prompt-len 1000
+
+For each ``--quantization``: ``loom.LLM`` on the chat question (the model's chat template),
+``--output-len`` tokens, greedy, EOS suppressed; every engine step is timed, so the decode
+steps are the inter-token latencies. Time to first token is measured on a fresh prompt of
+``--prompt-len`` token ids (no prefix-cache hit). The bound: the bytes of the weights one
+decode step reads (every linear layer as loom holds it, the LM head, one embedding row),
+over the read bandwidth of a 1 GiB ``torch`` sum measured in the same run.
+
+``--serve`` also starts ``loom serve`` per setting and streams the same request with the
+official OpenAI client: inter-token latency as the client sees it. When ``llama_cpp``
+imports (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python``), llama.cpp runs the
+same GGUF file with as many threads, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _serve import start, stop, wait_healthy  # noqa: E402
+
+QUESTION = "Write a short story about a robot who learns to paint."
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))] if values else float("nan")
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a 1 GiB fp32 ``torch`` sum, best of three."""
+    x = torch.ones(1 << 28)
+    best = float("inf")
+    for _ in range(4):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return (1 << 30) / best
+
+
+def weight_bytes_per_token(model: Any) -> int:
+    """What one decode step reads: each linear layer's weight as held (int4 packed + scales,
+    or dense/prepacked), the LM head (its packed copy if there is one) and one embedding row."""
+    from loom.layers.linear import LinearBase
+    from loom.layers.logits_processor import LogitsProcessor
+    from loom.layers.quantized import Int4Weight
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            w = module.weight
+            total += w.nbytes if isinstance(w, Int4Weight) else w.numel() * w.element_size()
+        elif isinstance(module, LogitsProcessor):
+            head = model.lm_head.weight
+            total += head.numel() * head.element_size()
+    embed = model.model.embed_tokens.weight
+    return total + embed.shape[1] * embed.element_size()
+
+
+def chat_prompt(llm: Any) -> list[int]:
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
+    return list(tok(text)["input_ids"])
+
+
+def run_loom(model: str | None, quantization: str, dtype: str, output_len: int, prompt_len: int) -> dict[str, Any]:
+    from loom import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=max(2048, prompt_len + 64))
+    runner = llm.llm_engine.executor.worker.model_runner
+    prompt = chat_prompt(llm)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    core = llm.engine_core
+    step, times = core.step, []
+
+    def timed_step(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        out = step(*a, **kw)
+        times.append(time.perf_counter() - t)
+        return out
+
+    core.step = timed_step  # type: ignore[method-assign]
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": prompt}], params)
+    elapsed = time.perf_counter() - start
+    core.step = step  # type: ignore[method-assign]
+    n = len(out[0].outputs[0].token_ids)
+    itl = times[1:n]  # the first step prefills (a prefix-cache hit here: the warm-up asked the same)
+    vocab = runner.model.config.vocab_size
+    g = torch.Generator().manual_seed(prompt_len)
+    long_prompt = torch.randint(100, vocab - 100, (prompt_len,), generator=g).tolist()
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": long_prompt}], SamplingParams(temperature=0, max_tokens=1))
+    ttft = time.perf_counter() - t
+    result = dict(tok_s=n / elapsed, itl_p50=pct(itl, 50), itl_p99=pct(itl, 99), ttft=ttft,
+                  weight_bytes=weight_bytes_per_token(runner.model), text=out[0].outputs[0].text)
+    llm.shutdown()
+    return result
+
+
+async def stream_once(url: str, model: str, output_len: int) -> dict[str, float]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    stamps: list[float] = []
+    start = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=output_len, temperature=0,
+        stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return dict(ttft=stamps[0] - start, itl_p50=pct(gaps, 50), itl_p99=pct(gaps, 99),
+                tok_s=len(stamps) / (stamps[-1] - start))
+
+
+def run_served(model: str | None, quantization: str, dtype: str, output_len: int, root: str) -> dict[str, float]:
+    args = ([model] if model else []) + ["--dtype", dtype, "--quantization", quantization]
+    proc, url, _ = start(args, os.path.join(root, f"serve-{quantization}.log"))
+    try:
+        wait_healthy(proc, url)
+        served = model or "SmolLM2-135M-Instruct"
+        asyncio.run(stream_once(url, served, 8))  # warm-up
+        return asyncio.run(stream_once(url, served, output_len))
+    finally:
+        stop(proc)
+
+
+def run_llama_cpp(path: str, output_len: int, prompt_len: int) -> dict[str, float] | None:
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    threads = len(os.sched_getaffinity(0))
+    llm = Llama(model_path=path, n_ctx=max(2048, prompt_len + 64), n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False)
+    eos = llm.token_eos()
+    messages = [{"role": "user", "content": QUESTION}]
+    llm.create_chat_completion(messages, max_tokens=4, temperature=0)  # warm-up
+    stamps: list[float] = []
+    start = time.perf_counter()
+    for chunk in llm.create_chat_completion(messages, max_tokens=output_len, temperature=0, stream=True,
+                                            logit_bias={eos: -1e9}):
+        if chunk["choices"][0]["delta"].get("content"):
+            stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    llm.reset()
+    g = torch.Generator().manual_seed(prompt_len)
+    long_prompt = torch.randint(100, llm.n_vocab() - 100, (prompt_len,), generator=g).tolist()
+    t = time.perf_counter()
+    llm.create_completion(long_prompt, max_tokens=1, temperature=0)
+    ttft = time.perf_counter() - t
+    return dict(tok_s=len(stamps) / (stamps[-1] - start), itl_p50=pct(gaps, 50), itl_p99=pct(gaps, 99), ttft=ttft,
+                tokens=len(stamps))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a GGUF file or model directory (default: the embedded model)")
+    parser.add_argument("--quantization", nargs="+", default=["auto", "none"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=1000, help="prompt tokens for the TTFT figure")
+    parser.add_argument("--serve", action="store_true", help="also stream through loom serve (OpenAI client)")
+    args = parser.parse_args()
+    from loom.transformers_utils.config import resolve_model_path
+
+    path, fmt = resolve_model_path(args.model)
+    bandwidth = read_bandwidth()
+    print(f"# single stream, {time.strftime('%Y-%m-%d %H:%M')}: {path}\n\nread bandwidth (1 GiB torch sum): "
+          f"{bandwidth / 1e9:.1f} GB/s; {len(os.sched_getaffinity(0))} cores; {args.output_len} tokens, greedy, "
+          f"EOS suppressed; TTFT on a {args.prompt_len}-token prompt\n")
+    print("| engine | weights | tok/s | ITL p50 / p99 (ms) | TTFT (s) | bytes read per token | bound tok/s | "
+          "of bound |\n|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as root:
+        for q in args.quantization:
+            r = run_loom(args.model, q, args.dtype, args.output_len, args.prompt_len)
+            bound = bandwidth / r["weight_bytes"]
+            print(f"| loom offline | {q} | {r['tok_s']:.1f} | {r['itl_p50'] * 1e3:.1f} / {r['itl_p99'] * 1e3:.1f} | "
+                  f"{r['ttft']:.2f} | {r['weight_bytes'] / 1e6:.0f} MB | {bound:.0f} | {r['tok_s'] / bound:.0%} |",
+                  flush=True)
+            if args.serve:
+                s = run_served(args.model, q, args.dtype, args.output_len, root)
+                print(f"| loom serve (client) | {q} | {s['tok_s']:.1f} | {s['itl_p50'] * 1e3:.1f} / "
+                      f"{s['itl_p99'] * 1e3:.1f} | {s['ttft']:.2f} (chat prompt) | | | "
+                      f"{1 / s['itl_p50'] / bound:.0%} (p50) |", flush=True)
+        peer = run_llama_cpp(path, args.output_len, args.prompt_len) if fmt == "gguf" else None
+        if peer is not None:
+            print(f"| llama.cpp | as stored | {peer['tok_s']:.1f} | {peer['itl_p50'] * 1e3:.1f} / "
+                  f"{peer['itl_p99'] * 1e3:.1f} | {peer['ttft']:.2f} | | | |")
+        else:
+            print("| llama.cpp | not run: llama_cpp does not import (or the model is not GGUF) | | | | | | |")
+
+
+if __name__ == "__main__":
+    main()

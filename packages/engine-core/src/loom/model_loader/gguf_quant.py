@@ -1,0 +1,52 @@
+"""GGUF's 4-bit block formats, read into group-wise int4 without losing a bit.
+
+llama.cpp stores a Q4_0 or Q4_1 matrix row by row in blocks of 32 weights along the input
+dimension: an fp16 scale ``d`` (and, for Q4_1, an fp16 minimum ``m``), then 16 bytes whose
+low nibbles are weights 0-15 of the block and high nibbles weights 16-31. The value of a
+weight ``q`` (0..15) is ``d * (q - 8)`` (Q4_0) or ``d * q + m`` (Q4_1). Both are exactly
+``(q - 8) * scale + zero`` with ``scale = d`` and ``zero = 0`` or ``m + 8 d``: the form of
+torch's group-wise int4 matmul (group size 32), so the file's weights run as they are.
+
+:func:`split_int4_blocks` turns the raw bytes of a tensor (``GGUFReader``'s ``(rows,
+bytes per row)`` uint8 array) into ``(q, scale, zero)``: ``q`` uint8 ``(rows, cols)`` and
+the fp32 ``scale`` and ``zero`` ``(rows, cols / 32)``. Rows are the matrix's output
+features, so a row permutation (Q/K un-permuting) or a row slice (tensor parallelism)
+applies to all three alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["GROUP_SIZE", "INT4_TYPES", "dequantize_int4", "split_int4_blocks"]
+
+GROUP_SIZE = 32
+INT4_TYPES = ("Q4_0", "Q4_1")
+"""GGUF types that load as int4 groups (``--quantization gguf``); others are dequantized."""
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+def split_int4_blocks(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q, scale, zero)`` of a Q4_0/Q4_1 tensor from its raw ``(rows, bytes per row)`` bytes."""
+    if type_name not in _BLOCK_BYTES:
+        raise ValueError(f"GGUF type {type_name} is not a 4-bit block format ({', '.join(INT4_TYPES)})")
+    block = _BLOCK_BYTES[type_name]
+    rows, nbytes = raw.shape
+    if nbytes % block:
+        raise ValueError(f"a {type_name} row of {nbytes} bytes is not whole blocks of {block}")
+    blocks = np.ascontiguousarray(raw).reshape(rows, nbytes // block, block)
+    d = blocks[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)
+    if type_name == "Q4_1":
+        m = blocks[..., 2:4].copy().view("<f2")[..., 0].astype(np.float32)
+        zero = m + 8.0 * d
+    else:
+        zero = np.zeros_like(d)
+    nibbles = blocks[..., block - 16:]  # (rows, groups, 16)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # weights 0-15, then 16-31
+    return q.reshape(rows, -1), d, zero
+
+
+def dequantize_int4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
+    """The fp32 weights ``(q - 8) * scale + zero`` (for checks; the model never needs them)."""
+    groups = np.repeat(np.arange(scale.shape[1]), GROUP_SIZE)
+    return (q.astype(np.float32) - 8.0) * scale[:, groups] + zero[:, groups]
