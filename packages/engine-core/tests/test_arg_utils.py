@@ -18,6 +18,7 @@ FLAGS = {
     "--served-model-name": "served_model_name",
     "--dtype": "dtype",
     "--max-model-len": "max_model_len",
+    "--quantization": "quantization",
     "--hf-overrides": "hf_overrides",
     "--seed": "seed",
     "--tensor-parallel-size": "tensor_parallel_size",

@@ -16,7 +16,7 @@ from loom import envs
 from loom.layers import quantized
 from loom.layers.quantized import Int4Weight
 from loom.model_loader import get_model
-from loom.model_loader.gguf_quant import dequantize_int4, split_int4_blocks
+from loom.model_loader.gguf_quant import dequantize_int4, dequantize_q8_0, split_int4_blocks
 from loom.transformers_utils.tokenizer import get_tokenizer
 from model_utils import greedy_generate, make_config, run_prefill, tp_prefill_worker
 from test_gguf import QUESTION, SMOLLM2, _write_tiny_gguf
@@ -49,8 +49,10 @@ def test_blocks_decode_exactly_as_gguf_dequantizes(qtype):
     np.testing.assert_array_equal(dequantize_int4(q, scale, zero), gguf.quants.dequantize(raw, qtype))
 
 
-def test_other_formats_are_refused_by_name():
-    raw = gguf.quants.quantize(np.ones((2, 32), np.float32), gguf.GGMLQuantizationType.Q8_0)
+def test_q8_0_dequantizes_exactly_and_is_not_int4():
+    raw = gguf.quants.quantize(np.random.default_rng(1).standard_normal((40, 96)).astype(np.float32),
+                               gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(dequantize_q8_0(raw), gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0))
     with pytest.raises(ValueError, match="Q8_0 is not a 4-bit block format"):
         split_int4_blocks(raw, "Q8_0")
 

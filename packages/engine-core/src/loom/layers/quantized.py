@@ -47,8 +47,9 @@ class Int4Weight:
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         # (in / 32, out, 2): per group and output, the scale and the zero, in the activations' dtype
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-        groups = torch.arange(q.shape[1]) // GROUP_SIZE
-        self.dense: torch.Tensor = ((q.float() - 8) * scale[:, groups] + zero[:, groups]).to(dtype)
+        out_features, in_features = self.shape
+        grouped = q.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE).float() - 8
+        self.dense: torch.Tensor = (grouped * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(self.shape).to(dtype)
         """Replaced by its oneDNN-packed layout by ``onednn.prepack_model`` where enabled."""
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:

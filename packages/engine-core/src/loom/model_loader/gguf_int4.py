@@ -1,6 +1,7 @@
 """Load a GGUF file with its 4-bit linear weights kept as int4 (``--quantization gguf``).
 
-Read straight from the GGUF file (the fp32 conversion cache holds dequantized weights):
+Read straight from a memory map of the GGUF file, through the tensor index the conversion cache
+keeps (the cache's fp32 safetensors hold dequantized weights):
 
 1. Each linear layer of the model (``LinearBase``) whose checkpoint tensors are all Q4_0 or
    Q4_1 (a fused layer has several: q/k/v, gate/up) trades its dense weight for int4
@@ -25,8 +26,8 @@ from ..layers.linear import LinearBase
 from ..layers.quantized import available, finish_int4, make_int4_params
 from ..logger import init_logger
 from .base import load_weights_into
-from .gguf_loader import gguf_config_dict, gguf_entries, open_gguf, reverse_permute
-from .gguf_quant import INT4_TYPES, split_int4_blocks
+from .gguf_loader import cached_gguf_entries, reverse_permute
+from .gguf_quant import INT4_TYPES, dequantize_q8_0, split_int4_blocks
 
 logger = init_logger(__name__)
 
@@ -47,7 +48,7 @@ def _choose_int4_layers(model: nn.Module, entries: list) -> set[str]:
     kinds: dict[str, list[str]] = {}
     for name, _, tensor, _ in entries:
         if name.endswith(".weight"):
-            kinds.setdefault(_module_of(model, name), []).append(tensor.tensor_type.name)
+            kinds.setdefault(_module_of(model, name), []).append(tensor.type_name)
     chosen = set()
     for module_name, types in kinds.items():
         if not all(t in INT4_TYPES for t in types):
@@ -64,16 +65,21 @@ def _choose_int4_layers(model: nn.Module, entries: list) -> set[str]:
 def _tensors(model: nn.Module, entries: list, chosen: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, shape, tensor, n_head in entries:
         if name.endswith(".weight") and _module_of(model, name) in chosen:
-            parts = split_int4_blocks(np.asarray(tensor.data).reshape(shape[0], -1), tensor.tensor_type.name)
+            parts = split_int4_blocks(tensor.data.reshape(shape[0], -1), tensor.type_name)
             if n_head is not None:
                 parts = tuple(reverse_permute(a, n_head) for a in parts)
             base = name.removesuffix("weight")
             for suffix, array in zip(("qweight", "qscale", "qzero"), parts):
                 yield base + suffix, torch.from_numpy(np.ascontiguousarray(array))
             continue
-        from gguf.quants import dequantize  # lazy: as GGUFReader in gguf_loader.open_gguf
+        if tensor.type_name == "Q8_0":
+            array = dequantize_q8_0(tensor.data.reshape(shape[0], -1)).reshape(shape)
+        elif tensor.type_name in ("F32", "F16"):
+            array = np.array(tensor.data, dtype=np.float32).reshape(shape)  # a writable copy of the map
+        else:
+            from gguf.quants import dequantize  # lazy: gguf (numpy) only for GGUF models
 
-        array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+            array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
         if n_head is not None:
             array = reverse_permute(array, n_head)
         yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
@@ -84,8 +90,7 @@ def load_gguf_int4(model: nn.Module, path: str, dtype: torch.dtype) -> int:
     if not available():
         raise RuntimeError("--quantization gguf needs torch's CPU int4 matmul (_weight_int4pack_mm_for_cpu), "
                            f"which torch {torch.__version__} lacks; use --quantization none")
-    meta = open_gguf(path)
-    entries = list(gguf_entries(meta, gguf_config_dict(meta)))
+    entries = cached_gguf_entries(path)
     chosen = _choose_int4_layers(model, entries)
     load_weights_into(model, _tensors(model, entries, chosen), path)
     for module_name in chosen:

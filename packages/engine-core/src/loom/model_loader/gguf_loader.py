@@ -43,6 +43,7 @@ __all__ = [
     "get_gguf_tokenizer",
     "gguf_config_dict",
     "gguf_entries",
+    "cached_gguf_entries",
     "gguf_cache_dir",
     "gguf_weights_file",
     "iterate_gguf_weights",
@@ -52,9 +53,10 @@ __all__ = [
 ]
 
 # Bump when the cached layout or conversion changes: old caches are then ignored.
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "2"  # 2: tensors.json
 _WEIGHTS_FILE = "model.safetensors"
-_CACHE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", _WEIGHTS_FILE)
+_INDEX_FILE = "tensors.json"
+_CACHE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", _WEIGHTS_FILE, _INDEX_FILE)
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -230,6 +232,59 @@ def _gguf_tensors(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str
         yield name, shape, make
 
 
+class _IndexedTensor:
+    """A tensor of a GGUF file found through the cache's ``tensors.json``: ``data`` is what
+    ``GGUFReader`` gives (a view of the memory-mapped file: the element type for F32/F16,
+    ``(rows, bytes per row)`` uint8 for block formats), without parsing the file's metadata
+    and, for the formats loom reads itself, without importing ``gguf``."""
+
+    _BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34)}  # weights, bytes per block
+
+    def __init__(self, entry: dict[str, Any], mapped: np.ndarray) -> None:
+        self.name, self.type_name = entry["name"], entry["type"]
+        raw = mapped[entry["offset"]:entry["offset"] + entry["nbytes"]]
+        rows = list(reversed(entry["ne"]))
+        plain = {"F32": np.float32, "F16": np.float16}.get(self.type_name)
+        if plain is not None:
+            self.data = raw.view(plain).reshape(rows)
+        else:
+            block, nbytes = self._BLOCKS.get(self.type_name) or self._gguf_sizes()
+            self.data = raw.reshape(*rows[:-1], rows[-1] // block * nbytes)
+
+    def _gguf_sizes(self) -> tuple[int, int]:
+        from gguf import GGML_QUANT_SIZES  # lazy: only for the formats the table above lacks
+
+        return GGML_QUANT_SIZES[self.tensor_type]
+
+    @property
+    def tensor_type(self) -> Any:
+        """``gguf.GGMLQuantizationType`` (imports ``gguf``), for ``gguf.quants.dequantize``."""
+        from gguf import GGMLQuantizationType  # lazy: see _gguf_sizes
+
+        return GGMLQuantizationType[self.type_name]
+
+
+def cached_gguf_entries(path: str) -> list[tuple[str, tuple[int, ...], _IndexedTensor, int | None]]:
+    """``gguf_entries`` of ``path`` from its conversion cache (converting it first if needed):
+    the tensor index and the config are read from there, the data from a memory map of the
+    file. Parsing a GGUF file's metadata (the tokenizer's 49k strings) takes seconds."""
+    cache_dir = ensure_gguf_cache(path)
+    with open(os.path.join(cache_dir, _INDEX_FILE)) as f:
+        index = json.load(f)
+    with open(os.path.join(cache_dir, "config.json")) as f:
+        config = json.load(f)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    entries = []
+    for entry in index:
+        name = _hf_name(entry["name"])
+        if name is None:
+            raise ValueError(f"GGUF file {path} has tensor {entry['name']!r}, which loom cannot map to a Llama parameter")
+        n_head = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
+        entries.append((name, tuple(reversed(entry["ne"])), _IndexedTensor(entry, mapped), n_head))
+    return entries
+
+
 def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, float32 tensor)`` of every tensor of a llama GGUF file, Q/K un-permuted."""
     import torch  # lazy: the CLI, front end and engine core use this module without torch
@@ -385,6 +440,10 @@ def _convert(path: str, out_dir: str) -> None:
     _make_hf_config(config).save_pretrained(out_dir)
     _build_tokenizer(meta).save_pretrained(out_dir)
     _write_safetensors(os.path.join(out_dir, _WEIGHTS_FILE), _gguf_tensors(meta, config))
+    index = [{"name": t.name, "type": t.tensor_type.name, "ne": [int(d) for d in t.shape.tolist()],
+              "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in meta.reader.tensors]
+    with open(os.path.join(out_dir, _INDEX_FILE), "w") as f:
+        json.dump(index, f)
     st = os.stat(path)
     with open(os.path.join(out_dir, "source.json"), "w") as f:
         json.dump({"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns,

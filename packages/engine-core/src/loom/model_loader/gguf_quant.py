@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["GROUP_SIZE", "INT4_TYPES", "dequantize_int4", "split_int4_blocks"]
+__all__ = ["GROUP_SIZE", "INT4_TYPES", "dequantize_int4", "dequantize_q8_0", "split_int4_blocks"]
 
 GROUP_SIZE = 32
 INT4_TYPES = ("Q4_0", "Q4_1")
@@ -50,3 +50,12 @@ def dequantize_int4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.nd
     """The fp32 weights ``(q - 8) * scale + zero`` (for checks; the model never needs them)."""
     groups = np.repeat(np.arange(scale.shape[1]), GROUP_SIZE)
     return (q.astype(np.float32) - 8.0) * scale[:, groups] + zero[:, groups]
+
+
+def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
+    """fp32 weights of a Q8_0 tensor (blocks of an fp16 scale and 32 int8), vectorized: the
+    ``gguf`` package's loop over row groups takes 0.2 s for SmolLM2's embedding."""
+    rows, nbytes = raw.shape
+    blocks = np.ascontiguousarray(raw).reshape(rows, nbytes // 34, 34)
+    d = blocks[..., 0:2].copy().view("<f2").astype(np.float32)  # (rows, groups, 1)
+    return (blocks[..., 2:].view(np.int8).astype(np.float32) * d).reshape(rows, -1)
