@@ -26,6 +26,7 @@ from ..config import (
     SchedulerConfig,
 )
 from ..config.cli import add_flags, flag, from_args
+from ..config.model import QUANTIZATIONS
 from ..logger import init_logger
 from ..model_loader import load_format_choices
 
@@ -53,7 +54,7 @@ class EngineArgs:
     dtype: str = flag("auto", choices=["auto", "float32", "bfloat16", "float16"])
     max_model_len: int | None = flag(None, type=int)
     quantization: str = flag(
-        "auto", choices=["auto", "gguf", "none"],
+        "auto", choices=list(QUANTIZATIONS),
         help="gguf: keep a GGUF file's 4-bit blocks as int4 (CPU); none: dequantize; auto: gguf for GGUF on a bf16 CPU")
     hf_overrides: dict[str, Any] = flag(
         default_factory=dict, type=_json_object,

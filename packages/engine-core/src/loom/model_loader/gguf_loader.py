@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 # Bump when the cached layout or conversion changes: old caches are then ignored.
-_CONVERTER_VERSION = "2"  # 2: tensors.json
+_CONVERTER_VERSION = "2"  # 2: tensors.json (older caches stay on disk until removed by hand)
 _WEIGHTS_FILE = "model.safetensors"
 _INDEX_FILE = "tensors.json"
 _CACHE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", _WEIGHTS_FILE, _INDEX_FILE)
@@ -271,12 +271,15 @@ def cached_gguf_entries(path: str) -> list[tuple[str, tuple[int, ...], _IndexedT
     cache_dir = ensure_gguf_cache(path)
     with open(os.path.join(cache_dir, _INDEX_FILE)) as f:
         index = json.load(f)
+    if not index["little_endian"]:
+        raise ValueError(f"GGUF file {path} is big-endian; loom maps only little-endian files' tensors directly: "
+                         "use --quantization none")
     with open(os.path.join(cache_dir, "config.json")) as f:
         config = json.load(f)
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     entries = []
-    for entry in index:
+    for entry in index["tensors"]:
         name = _hf_name(entry["name"])
         if name is None:
             raise ValueError(f"GGUF file {path} has tensor {entry['name']!r}, which loom cannot map to a Llama parameter")
@@ -440,8 +443,9 @@ def _convert(path: str, out_dir: str) -> None:
     _make_hf_config(config).save_pretrained(out_dir)
     _build_tokenizer(meta).save_pretrained(out_dir)
     _write_safetensors(os.path.join(out_dir, _WEIGHTS_FILE), _gguf_tensors(meta, config))
-    index = [{"name": t.name, "type": t.tensor_type.name, "ne": [int(d) for d in t.shape.tolist()],
-              "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in meta.reader.tensors]
+    index = {"little_endian": meta.reader.endianess.name == "LITTLE",
+             "tensors": [{"name": t.name, "type": t.tensor_type.name, "ne": [int(d) for d in t.shape.tolist()],
+                          "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in meta.reader.tensors]}
     with open(os.path.join(out_dir, _INDEX_FILE), "w") as f:
         json.dump(index, f)
     st = os.stat(path)

@@ -1,11 +1,12 @@
-"""GGUF's 4-bit block formats, read into group-wise int4 without losing a bit.
+"""GGUF's 4-bit block formats, read into group-wise int4 (the same values, none re-quantized).
 
 llama.cpp stores a Q4_0 or Q4_1 matrix row by row in blocks of 32 weights along the input
 dimension: an fp16 scale ``d`` (and, for Q4_1, an fp16 minimum ``m``), then 16 bytes whose
 low nibbles are weights 0-15 of the block and high nibbles weights 16-31. The value of a
 weight ``q`` (0..15) is ``d * (q - 8)`` (Q4_0) or ``d * q + m`` (Q4_1). Both are exactly
 ``(q - 8) * scale + zero`` with ``scale = d`` and ``zero = 0`` or ``m + 8 d``: the form of
-torch's group-wise int4 matmul (group size 32), so the file's weights run as they are.
+torch's group-wise int4 matmul (group size 32): the file's 4-bit values run as they are
+(``layers/quantized.py`` says what holding the scales in bf16 rounds).
 
 :func:`split_int4_blocks` turns the raw bytes of a tensor (``GGUFReader``'s ``(rows,
 bytes per row)`` uint8 array) into ``(q, scale, zero)``: ``q`` uint8 ``(rows, cols)`` and
