@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 # Bump when the cached layout or conversion changes: old caches are then ignored.
-_CONVERTER_VERSION = "2"  # 2: tensors.json (older caches stay on disk until removed by hand)
+_CONVERTER_VERSION = "3"  # 3: tensors.json with the byte order (older caches stay on disk until removed by hand)
 _WEIGHTS_FILE = "model.safetensors"
 _INDEX_FILE = "tensors.json"
 _CACHE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", _WEIGHTS_FILE, _INDEX_FILE)
