@@ -95,10 +95,11 @@ def run_hf(hf_model, prompts: list[list[int]], output_len: int, batch_size: int)
 
 
 def gguf_cache_dir() -> str:
-    from loom.model_loader.gguf_loader import ensure_gguf_cache
+    """The default model's conversion, with its fp32 weights (HF transformers loads it there)."""
+    from loom.model_loader.gguf_loader import gguf_weights_file
     from loom.transformers_utils.config import default_model_path
 
-    return ensure_gguf_cache(default_model_path())
+    return os.path.dirname(gguf_weights_file(default_model_path()))
 
 
 def main() -> None:

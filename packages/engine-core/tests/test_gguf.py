@@ -68,7 +68,7 @@ def test_tokenizer_round_trip_and_chat_template(smollm2_cache):
 
 def test_cache_is_written_and_reused(smollm2_cache, cache_root, monkeypatch):
     assert smollm2_cache.startswith(os.path.join(cache_root, "gguf"))
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors", "source.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "tensors.json", "source.json"):
         assert os.path.isfile(os.path.join(smollm2_cache, name)), name
     assert not [f for f in os.listdir(os.path.dirname(smollm2_cache)) if f.startswith(".tmp-")]
 
@@ -293,6 +293,26 @@ def test_tiny_gguf_tokenizer(tiny_gguf):
     assert tok.decode(ids, skip_special_tokens=True) == " the hello"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == \
         "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_fp32_weights_are_written_only_when_asked_for(tiny_gguf, tmp_path, monkeypatch):
+    """The conversion writes metadata; the dequantized fp32 weights (eight times a 4-bit file)
+    appear on the first ``--quantization none`` load, atomically, and are then reused."""
+    path, hf = tiny_gguf
+    cache = gguf_loader.ensure_gguf_cache(path, str(tmp_path))
+    assert {"config.json", "source.json", "tensors.json", "tokenizer.json"} <= set(os.listdir(cache))
+    assert "model.safetensors" not in os.listdir(cache)
+    weights = gguf_loader.gguf_weights_file(path, str(tmp_path))
+    assert weights == os.path.join(cache, "model.safetensors") and not [f for f in os.listdir(cache) if ".tmp-" in f]
+    from safetensors.numpy import load_file  # here: only this test reads safetensors directly
+
+    assert set(load_file(weights)) == set(hf.state_dict())
+
+    def no_rewrite(*args):
+        raise AssertionError("written weights must be reused")
+
+    monkeypatch.setattr(gguf_loader, "_write_safetensors", no_rewrite)
+    assert gguf_loader.gguf_weights_file(path, str(tmp_path)) == weights
 
 
 def test_cache_key_follows_the_file(tiny_gguf, tmp_path):

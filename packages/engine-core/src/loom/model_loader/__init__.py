@@ -45,7 +45,7 @@ def _load_safetensors(model: nn.Module, config: LoomConfig, show_progress: bool)
 def _load_gguf(model: nn.Module, config: LoomConfig, show_progress: bool) -> str:
     # lazy: .base and .weight_utils import torch; the CLI reads this table without it
     from .base import load_weights_into
-    from .gguf_loader import ensure_gguf_cache, gguf_weights_file
+    from .gguf_loader import gguf_weights_file
     from .weight_utils import safetensors_weights_iterator
 
     source = config.model_config.model_path
@@ -54,8 +54,7 @@ def _load_gguf(model: nn.Module, config: LoomConfig, show_progress: bool) -> str
 
         load_gguf_int4(model, source, config.model_config.torch_dtype)
         return source
-    cache_dir = ensure_gguf_cache(source)
-    load_weights_into(model, safetensors_weights_iterator([gguf_weights_file(cache_dir)], show_progress), source)
+    load_weights_into(model, safetensors_weights_iterator([gguf_weights_file(source)], show_progress), source)
     return source
 
 

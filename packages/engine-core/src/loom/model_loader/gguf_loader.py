@@ -2,11 +2,12 @@
 
 The first load of a GGUF file converts it once into
 ``<LOOM_CACHE_DIR>/gguf/<key>/``: ``config.json`` (a ``LlamaConfig``), the tokenizer
-files, and ``model.safetensors`` (dequantized fp32 tensors under HF names, with
-llama.cpp's Q/K rotary permutation undone). ``key`` hashes the file's absolute path,
-size and mtime, so an edited file converts again. The directory appears atomically
-(temp dir + rename) under a file lock, so concurrent processes convert it once. Every
-later load reads only the cache.
+files and ``tensors.json`` (where each tensor lies in the file, for ``--quantization
+gguf``, which maps the file itself). ``model.safetensors`` (dequantized fp32 tensors under
+HF names, with llama.cpp's Q/K rotary permutation undone) is added the first time
+``--quantization none`` loads the file. ``key`` hashes the file's absolute path, size and
+mtime, so an edited file converts again. The directory and the weights file each appear
+atomically (temp + rename) under a file lock, so concurrent processes write them once.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ __all__ = [
 ]
 
 # Bump when the cached layout or conversion changes: old caches are then ignored.
-_CONVERTER_VERSION = "3"  # 3: tensors.json with the byte order (older caches stay on disk until removed by hand)
+_CONVERTER_VERSION = "4"  # 4: fp32 weights on demand; 3: tensors.json (older caches stay until removed by hand)
 _WEIGHTS_FILE = "model.safetensors"
 _INDEX_FILE = "tensors.json"
-_CACHE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", _WEIGHTS_FILE, _INDEX_FILE)
+_CACHE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", _INDEX_FILE)
+"""What a converted cache always holds; the fp32 weights are written when first asked for."""
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -391,8 +393,30 @@ def gguf_cache_dir(path: str, cache_root: str | None = None) -> str:
     return os.path.join(cache_root or envs.LOOM_CACHE_DIR, "gguf", key)
 
 
-def gguf_weights_file(cache_dir: str) -> str:
-    return os.path.join(cache_dir, _WEIGHTS_FILE)
+def gguf_weights_file(path: str, cache_root: str | None = None) -> str:
+    """The fp32 safetensors of ``path``'s dequantized weights (``--quantization none``), written
+    into its cache the first time they are asked for: ``--quantization gguf`` never reads them,
+    and for a large file they are eight times its size."""
+    cache_dir = ensure_gguf_cache(path, cache_root)
+    weights = os.path.join(cache_dir, _WEIGHTS_FILE)
+    if os.path.isfile(weights):
+        return weights
+    with _file_lock(cache_dir + ".weights.lock"):
+        if os.path.isfile(weights):  # another process wrote them while we waited
+            return weights
+        start = time.perf_counter()
+        meta = open_gguf(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=cache_dir)
+        os.close(fd)
+        try:
+            _write_safetensors(tmp, _gguf_tensors(meta, gguf_config_dict(meta)))
+            os.replace(tmp, weights)  # atomic: a reader sees no file or the whole file
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        logger.info("Dequantized %s to fp32 in the loom cache in %.1f s", os.path.basename(path),
+                    time.perf_counter() - start)
+    return weights
 
 
 def _is_complete(cache_dir: str) -> bool:
@@ -442,7 +466,6 @@ def _convert(path: str, out_dir: str) -> None:
     config = gguf_config_dict(meta)
     _make_hf_config(config).save_pretrained(out_dir)
     _build_tokenizer(meta).save_pretrained(out_dir)
-    _write_safetensors(os.path.join(out_dir, _WEIGHTS_FILE), _gguf_tensors(meta, config))
     index = {"little_endian": meta.reader.endianess.name == "LITTLE",
              "tensors": [{"name": t.name, "type": t.tensor_type.name, "ne": [int(d) for d in t.shape.tolist()],
                           "offset": int(t.data_offset), "nbytes": int(t.n_bytes)} for t in meta.reader.tensors]}
