@@ -14,8 +14,11 @@ over the read bandwidth of a 1 GiB ``torch`` sum measured in the same run.
 
 ``--serve`` also starts ``loom serve`` per setting and streams the same request with the
 official OpenAI client: inter-token latency as the client sees it. When ``llama_cpp``
-imports (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python``), llama.cpp runs the
-same GGUF file with as many threads, in the same run.
+imports (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python``, about 5 minutes),
+llama.cpp runs the same GGUF file with as many threads, in the same run. On a CPU with AMX
+that native build enables ggml's AMX matmul, which crashed (SIGSEGV in
+``ggml_backend_amx_mul_mat``) on the machine of 2026-12-02; build it there with
+``-DGGML_NATIVE=OFF`` and the AVX-512 flags instead (the README lists them).
 """
 
 from __future__ import annotations
