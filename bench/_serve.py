@@ -11,6 +11,14 @@ import time
 import urllib.request
 
 
+def pct(values: list[float], p: float) -> float:
+    """The ``p``-th percentile (nearest rank) of ``values``; NaN when there are none."""
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -26,15 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _serve import free_port, start, stop, wait_healthy  # noqa: E402
+from _serve import free_port, pct, start, stop, wait_healthy  # noqa: E402
 from offline_throughput import SHAPES, VOCAB, build_random_model, run_loom, workload  # noqa: E402
-
-
-def pct(values: list[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
 async def run_load(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,

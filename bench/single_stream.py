@@ -35,14 +35,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _serve import start, stop, wait_healthy  # noqa: E402
+from _serve import pct, start, stop, wait_healthy  # noqa: E402
 
 QUESTION = "Write a short story about a robot who learns to paint."
-
-
-def pct(values: list[float], p: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))] if values else float("nan")
 
 
 def read_bandwidth() -> float:

@@ -12,26 +12,16 @@ import json
 import numpy as np
 import pytest
 import torch
-from loom import envs
 from loom.layers import quantized
 from loom.layers.quantized import Int4Weight
 from loom.model_loader import get_model
 from loom.model_loader.gguf_quant import dequantize_int4, dequantize_q8_0, split_int4_blocks
 from loom.transformers_utils.tokenizer import get_tokenizer
 from model_utils import greedy_generate, make_config, run_prefill, tp_prefill_worker
-from test_gguf import QUESTION, SMOLLM2, _write_tiny_gguf
+from test_gguf import QUESTION, SMOLLM2, _write_tiny_gguf, cache_root  # noqa: F401 (its module-wide LOOM_CACHE_DIR)
 
 gguf = pytest.importorskip("gguf")
 Q4 = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cache_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loom_cache")
-    envs._disable_envs_cache_for_tests()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LOOM_CACHE_DIR", str(root))
-        yield str(root)
 
 
 def _quantized(rows: int, cols: int, qtype, seed: int = 0) -> np.ndarray:

@@ -1,11 +1,5 @@
 """Linear layers with group-wise int4 weights (``--quantization gguf``).
 
-In fp32 the int4 kernel computes with the file's exact weights; in bf16 its scales and zeros are
-held in bf16 (the kernel takes them in the activations' dtype), so its weights are the file's to
-within bf16 rounding of the scale and zero, while the dense copy holds the exact values rounded
-once to bf16. Memory: packed int4 (0.56 bytes per weight with scales) plus the dense copy (2
-bytes in bf16), against 2 bytes for ``--quantization none``.
-
 Two layouts of the same weights: torch's int4 kernel reads a quarter of the bytes of bf16,
 which is what decoding a few streams is bound by, but it dequantizes per row, so from a
 handful of rows on it falls far behind a GEMM (measured here: equal at 2 rows, 10x slower at
@@ -21,6 +15,12 @@ fp32 ``qscale`` and ``qzero`` (``(out, in / 32)``); a weight is ``(q - 8) * scal
 CPU int4 matmul (``_convert_weight_to_int4pack_for_cpu``, scales and zeros in the compute
 dtype) and the layer's ``weight`` becomes an :class:`Int4Weight`, which ``onednn.linear``
 multiplies through ``_weight_int4pack_mm_for_cpu``.
+
+In fp32 the int4 kernel computes with the file's exact weights; in bf16 its scales and zeros are
+held in bf16 (the kernel takes them in the activations' dtype), so its weights are the file's to
+within bf16 rounding of the scale and zero, while the dense copy holds the exact values rounded
+once to bf16. Memory: packed int4 (0.56 bytes per weight with scales) plus the dense copy (2
+bytes in bf16), against 2 bytes for ``--quantization none``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ class Int4Weight:
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> None:
         self.shape = tuple(q.shape)
-        self.dtype = dtype
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         # (in / 32, out, 2): per group and output, the scale and the zero, in the activations' dtype
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()

@@ -23,11 +23,11 @@ import torch
 import torch.nn as nn
 
 from ..layers.linear import LinearBase
-from ..layers.quantized import available, finish_int4, make_int4_params
+from ..layers.quantized import QPARAMS, available, finish_int4, make_int4_params
 from ..logger import init_logger
 from .base import load_weights_into
-from .gguf_loader import cached_gguf_entries, reverse_permute
-from .gguf_quant import INT4_TYPES, dequantize_q8_0, split_int4_blocks
+from .gguf_loader import cached_gguf_entries, dequantized, reverse_permute
+from .gguf_quant import INT4_TYPES, split_int4_blocks
 
 logger = init_logger(__name__)
 
@@ -62,27 +62,17 @@ def _choose_int4_layers(model: nn.Module, entries: list) -> set[str]:
     return chosen
 
 
-def _tensors(model: nn.Module, entries: list, chosen: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(model: nn.Module, entries: list, chosen: set[str], source: str) -> Iterator[tuple[str, torch.Tensor]]:
     for name, shape, tensor, n_head in entries:
         if name.endswith(".weight") and _module_of(model, name) in chosen:
             parts = split_int4_blocks(tensor.data.reshape(shape[0], -1), tensor.type_name)
             if n_head is not None:
                 parts = tuple(reverse_permute(a, n_head) for a in parts)
             base = name.removesuffix("weight")
-            for suffix, array in zip(("qweight", "qscale", "qzero"), parts):
+            for suffix, array in zip(QPARAMS, parts):
                 yield base + suffix, torch.from_numpy(np.ascontiguousarray(array))
             continue
-        if tensor.type_name == "Q8_0":
-            array = dequantize_q8_0(tensor.data.reshape(shape[0], -1)).reshape(shape)
-        elif tensor.type_name in ("F32", "F16"):
-            array = np.array(tensor.data, dtype=np.float32).reshape(shape)  # a writable copy of the map
-        else:
-            from gguf.quants import dequantize  # lazy: gguf (numpy) only for GGUF models
-
-            array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
-        if n_head is not None:
-            array = reverse_permute(array, n_head)
-        yield name, torch.from_numpy(array if array.flags.writeable else array.copy())
+        yield name, torch.from_numpy(dequantized(tensor, tensor.type_name, shape, n_head, source))
 
 
 def load_gguf_int4(model: nn.Module, path: str, dtype: torch.dtype) -> int:
@@ -92,7 +82,7 @@ def load_gguf_int4(model: nn.Module, path: str, dtype: torch.dtype) -> int:
                            f"which torch {torch.__version__} lacks; use --quantization none")
     entries = cached_gguf_entries(path)
     chosen = _choose_int4_layers(model, entries)
-    load_weights_into(model, _tensors(model, entries, chosen), path)
+    load_weights_into(model, _tensors(model, entries, chosen, path), path)
     for module_name in chosen:
         finish_int4(model.get_submodule(module_name), dtype)
     logger.info("Kept %d linear layers of %s as int4 (GGUF Q4_0/Q4_1); the rest dequantized to %s",

@@ -31,6 +31,7 @@ from .. import envs
 from ..logger import init_logger
 from ..transformers_utils.config import HFConfig
 from ..transformers_utils.fast_tokenizer import FastTokenizer
+from .gguf_quant import dequantize_q8_0
 
 if TYPE_CHECKING:
     import torch
@@ -42,14 +43,12 @@ logger = init_logger(__name__)
 __all__ = [
     "ensure_gguf_cache",
     "get_gguf_tokenizer",
-    "gguf_config_dict",
-    "gguf_entries",
     "cached_gguf_entries",
+    "dequantized",
     "gguf_cache_dir",
     "gguf_weights_file",
     "iterate_gguf_weights",
     "load_gguf_config",
-    "open_gguf",
     "reverse_permute",
 ]
 
@@ -109,7 +108,7 @@ class _Metadata:
         return value
 
 
-def open_gguf(path: str) -> _Metadata:
+def _open(path: str) -> _Metadata:
     # lazy: gguf costs start-up time, and a model converted once (cached) never opens the file again
     from gguf import GGUFReader
 
@@ -120,7 +119,7 @@ def open_gguf(path: str) -> _Metadata:
     return _Metadata(reader, path)
 
 
-def gguf_config_dict(meta: _Metadata) -> dict[str, Any]:
+def _config_dict(meta: _Metadata) -> dict[str, Any]:
     arch = meta.require("general.architecture")
     if arch != "llama":
         raise ValueError(
@@ -202,34 +201,43 @@ def _hf_name(gguf_name: str) -> str | None:
     return None if mapped is None else f"{mapped}.{suffix}"
 
 
-def gguf_entries(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], Any, int | None]]:
-    """``(hf_name, shape, GGUF tensor, n_head)`` for each tensor in file order; ``n_head`` is
-    set for Q and K, whose rows llama.cpp permuted (``reverse_permute`` undoes it)."""
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    for tensor in meta.reader.tensors:
-        name = _hf_name(tensor.name)
-        if name is None:
-            raise ValueError(f"GGUF file {meta.path} has tensor {tensor.name!r}, which loom cannot map to "
-                             "a Llama parameter")
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ne order -> row-major
-        n_head = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
-        yield name, shape, tensor, n_head
+def _param_of(gguf_name: str, source: str, heads: int, kv_heads: int) -> tuple[str, int | None]:
+    """The HF parameter a GGUF tensor loads into, and for Q and K (whose rows llama.cpp
+    permuted, ``reverse_permute`` undoes it) their head count."""
+    name = _hf_name(gguf_name)
+    if name is None:
+        raise ValueError(f"GGUF file {source} has tensor {gguf_name!r}, which loom cannot map to a Llama parameter")
+    return name, heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
+
+
+def dequantized(tensor: Any, type_name: str, shape: tuple[int, ...], n_head: int | None, source: str) -> np.ndarray:
+    """A GGUF tensor (``GGUFReader``'s or the cache index's) as fp32 in HF order: Q8_0 and
+    F32/F16 here (vectorized), other formats through the ``gguf`` package."""
+    if type_name == "Q8_0" and len(shape) == 2:
+        array = dequantize_q8_0(tensor.data.reshape(shape[0], -1))
+    elif type_name in ("F32", "F16"):
+        array = np.array(tensor.data, dtype=np.float32).reshape(shape)  # a writable copy of the map
+    else:
+        from gguf.quants import dequantize  # lazy: as GGUFReader in _open
+
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"GGUF tensor {tensor.name} of {source} has quantization {type_name}, which the gguf "
+                             "package cannot dequantize") from None
+        array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
+    return reverse_permute(array, n_head) if n_head is not None else array
 
 
 def _gguf_tensors(meta: _Metadata, config: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], Any]]:
     """``(hf_name, shape, make_array)`` for each tensor, in file order, without dequantizing."""
-    for name, shape, tensor, n_head in gguf_entries(meta, config):
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for tensor in meta.reader.tensors:
+        name, n_head = _param_of(tensor.name, meta.path, heads, kv_heads)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ne order -> row-major
 
         def make(tensor: Any = tensor, shape: tuple[int, ...] = shape, n_head: int | None = n_head) -> np.ndarray:
-            from gguf.quants import dequantize  # lazy: as GGUFReader in open_gguf
-
-            try:
-                array = dequantize(tensor.data, tensor.tensor_type)
-            except NotImplementedError:
-                raise ValueError(f"GGUF tensor {tensor.name} of {meta.path} has quantization "
-                                 f"{tensor.tensor_type.name}, which the gguf package cannot dequantize") from None
-            array = np.ascontiguousarray(array, dtype=np.float32).reshape(shape)
-            return reverse_permute(array, n_head) if n_head is not None else array
+            return dequantized(tensor, tensor.tensor_type.name, shape, n_head, meta.path)
 
         yield name, shape, make
 
@@ -267,7 +275,8 @@ class _IndexedTensor:
 
 
 def cached_gguf_entries(path: str) -> list[tuple[str, tuple[int, ...], _IndexedTensor, int | None]]:
-    """``gguf_entries`` of ``path`` from its conversion cache (converting it first if needed):
+    """``(hf_name, shape, tensor, n_head)`` of each tensor of ``path``, from its conversion cache
+    (converting it first if needed):
     the tensor index and the config are read from there, the data from a memory map of the
     file. Parsing a GGUF file's metadata (the tokenizer's 49k strings) takes seconds."""
     cache_dir = ensure_gguf_cache(path)
@@ -282,10 +291,7 @@ def cached_gguf_entries(path: str) -> list[tuple[str, tuple[int, ...], _IndexedT
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     entries = []
     for entry in index["tensors"]:
-        name = _hf_name(entry["name"])
-        if name is None:
-            raise ValueError(f"GGUF file {path} has tensor {entry['name']!r}, which loom cannot map to a Llama parameter")
-        n_head = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None
+        name, n_head = _param_of(entry["name"], path, heads, kv_heads)
         entries.append((name, tuple(reversed(entry["ne"])), _IndexedTensor(entry, mapped), n_head))
     return entries
 
@@ -294,8 +300,8 @@ def iterate_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, float32 tensor)`` of every tensor of a llama GGUF file, Q/K un-permuted."""
     import torch  # lazy: the CLI, front end and engine core use this module without torch
 
-    meta = open_gguf(path)
-    config = gguf_config_dict(meta)
+    meta = _open(path)
+    config = _config_dict(meta)
     for name, _, make in _gguf_tensors(meta, config):
         array = make()
         # F32 tensors are views of the read-only memory map; torch wants writable memory.
@@ -405,11 +411,11 @@ def gguf_weights_file(path: str, cache_root: str | None = None) -> str:
         if os.path.isfile(weights):  # another process wrote them while we waited
             return weights
         start = time.perf_counter()
-        meta = open_gguf(os.path.abspath(path))
+        meta = _open(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=cache_dir)
         os.close(fd)
         try:
-            _write_safetensors(tmp, _gguf_tensors(meta, gguf_config_dict(meta)))
+            _write_safetensors(tmp, _gguf_tensors(meta, _config_dict(meta)))
             os.replace(tmp, weights)  # atomic: a reader sees no file or the whole file
         finally:
             if os.path.exists(tmp):
@@ -462,8 +468,8 @@ def ensure_gguf_cache(path: str, cache_root: str | None = None) -> str:
 def _convert(path: str, out_dir: str) -> None:
     start = time.perf_counter()
     logger.info("Converting GGUF file %s into the loom cache (once per file)", path)
-    meta = open_gguf(path)
-    config = gguf_config_dict(meta)
+    meta = _open(path)
+    config = _config_dict(meta)
     _make_hf_config(config).save_pretrained(out_dir)
     _build_tokenizer(meta).save_pretrained(out_dir)
     index = {"little_endian": meta.reader.endianess.name == "LITTLE",
