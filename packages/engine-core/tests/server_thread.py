@@ -44,9 +44,17 @@ class ServerThread:
             raise self.error
         return self
 
+    def stop(self) -> None:
+        """Ask the server to drain and stop; a no-op once its loop has already closed."""
+        try:
+            self.loop.call_soon_threadsafe(self.stop_event.set)
+        except RuntimeError:  # the loop closed between the check and the call: the server already stopped
+            pass
+
     def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.stop()
         self.thread.join(15)
+        assert not self.thread.is_alive(), "the server did not stop within 15 s"
 
     @property
     def url(self) -> str:

@@ -564,7 +564,7 @@ def test_graceful_drain_lets_in_flight_requests_finish(engine_client, monkeypatc
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
             lines = (line for line in r.iter_lines() if line)
             first = next(lines)
-            srv.loop.call_soon_threadsafe(srv.stop_event.set)  # shut down with the request in flight
+            srv.stop()  # shut down with the request in flight
             rest = list(lines)
     finally:
         srv.__exit__(None, None, None)
