@@ -52,17 +52,19 @@ def read_bandwidth() -> float:
 
 
 def weight_bytes_per_token(model: Any) -> int:
-    """What one decode step reads: each linear layer's weight as held (int4 packed + scales,
+    """What one decode step reads: each linear layer's weight as held (quantized codes + scales,
     or dense/prepacked), the LM head (its packed copy if there is one) and one embedding row."""
     from loom.layers.linear import LinearBase
     from loom.layers.logits_processor import LogitsProcessor
-    from loom.layers.quantized import Int4Weight
+    from loom_plugin_api.ops import QuantizedLinear
 
     total = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
             w = module.weight
-            total += w.nbytes if isinstance(w, Int4Weight) else w.numel() * w.element_size()
+            total += w.kernel_weight().nbytes if isinstance(w, QuantizedLinear) else w.numel() * w.element_size()
+        elif isinstance(module, LogitsProcessor) and module.quantized_head is not None:
+            total += module.quantized_head.kernel_weight().nbytes  # a decode step's few rows read the codes
         elif isinstance(module, LogitsProcessor):
             head = model.lm_head.weight
             total += head.numel() * head.element_size()

@@ -112,6 +112,14 @@ def make_config(model: str, **engine_args):
     return EngineArgs(model=model, **engine_args).create_engine_config()
 
 
+def install_quantized_kernel() -> None:
+    """The CPU platform's ``quantized_linear`` kernel, as ``CpuPlatform`` installs it in a worker."""
+    from loom.layers.quantized import cpu_quantized_linear
+    from loom_plugin_api import CustomOp
+
+    CustomOp.register_kernel("quantized_linear", cpu_quantized_linear)
+
+
 def tp_prefill_worker(rank: int, world_size: int, init_file: str, model_dirs: list[str],
                       prompts: list[list[int]], out_path: str, engine_args: dict | None = None) -> None:
     """Child of ``torch.multiprocessing.spawn``: one TP rank over gloo; rank 0 saves the logits."""
@@ -120,6 +128,7 @@ def tp_prefill_worker(rank: int, world_size: int, init_file: str, model_dirs: li
     from loom.model_loader import get_model
 
     torch.set_num_threads(1)
+    install_quantized_kernel()  # as the CPU platform does in a worker
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         initialize_model_parallel(world_size)
@@ -127,7 +136,7 @@ def tp_prefill_worker(rank: int, world_size: int, init_file: str, model_dirs: li
         for model_dir in model_dirs:
             model = get_model(make_config(model_dir, tensor_parallel_size=world_size, **(engine_args or {})))
             results[model_dir] = run_prefill(model, prompts)
-            results[model_dir + ":int4 layers"] = sum(type(getattr(m, "weight", None)).__name__ == "Int4Weight"
+            results[model_dir + ":quantized layers"] = sum(type(getattr(m, "weight", None)).__name__ == "QuantizedLinear"
                                                       for m in model.modules())
         if rank == 0:
             torch.save(results, out_path)

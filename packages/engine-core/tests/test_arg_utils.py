@@ -19,6 +19,7 @@ FLAGS = {
     "--dtype": "dtype",
     "--max-model-len": "max_model_len",
     "--quantization": "quantization",
+    "--quantization-group-size": "quantization_group_size",
     "--hf-overrides": "hf_overrides",
     "--seed": "seed",
     "--tensor-parallel-size": "tensor_parallel_size",

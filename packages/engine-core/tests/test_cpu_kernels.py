@@ -148,3 +148,83 @@ def test_a_llama_layer_stack_matches_with_and_without_kernels(k, dtype):
     a = k.rms_norm(x, w, 1e-6)
     b = cpu_kernels._native_rms_norm(x, w, 1e-6)
     torch.testing.assert_close(k.silu_and_mul(a), F.silu(b[:, :128]) * b[:, 128:], **_tol(dtype))
+
+
+def _q8_weight(n, kdim, group, seed):
+    """Random codes, positive scales and small zeros, as an int8 checkpoint's would be."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, kdim), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, kdim // group, generator=g) * 0.02 + 1e-3
+    zero = torch.randn(n, kdim // group, generator=g) * 0.01
+    return q, scale, zero
+
+
+def _q8_reference(x, q, scale, zero, group):
+    n, kdim = q.shape
+    w = ((q.float() - 128).view(n, kdim // group, group) * scale[..., None] + zero[..., None]).view(n, kdim)
+    return F.linear(x.float(), w)
+
+
+def _q8_close(got, want, dtype):
+    # fp32: the same products summed in another order; bf16: plus the output's rounding (2^-8)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4, 5])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("kdim", [64, 576, 1536])
+@pytest.mark.parametrize("n", [16, 100, 576])  # whole tiles, a tail, a model width
+def test_q8_linear_matches_the_dequantized_weight(k, dtype, rows, group, kdim, n):
+    q, scale, zero = _q8_weight(n, kdim, group, seed=rows + kdim + n)
+    g = torch.Generator().manual_seed(group)
+    wide = torch.randn(rows, kdim + 24, generator=g).to(dtype)
+    x = wide[:, 8:8 + kdim]  # strided rows, like a split
+    got = k.q8_linear(x, q, scale, zero, group)
+    if kdim % group:
+        assert got is None  # 64 inputs cannot hold groups of 128: the caller's other path
+        return
+    assert got.shape == (rows, n) and got.dtype == dtype
+    _q8_close(got, _q8_reference(x, q, scale, zero, group), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q8_linear_keeps_leading_dims_and_takes_up_to_8_rows(k, dtype):
+    q, scale, zero = _q8_weight(40, 96, 32, seed=1)
+    x = torch.randn(2, 1, 96).to(dtype)
+    got = k.q8_linear(x, q, scale, zero, 32)
+    assert got.shape == (2, 1, 40) and got.dtype == dtype
+    _q8_close(got, _q8_reference(x, q, scale, zero, 32), dtype)
+    x8 = torch.randn(8, 96).to(dtype)
+    _q8_close(k.q8_linear(x8, q, scale, zero, 32), _q8_reference(x8, q, scale, zero, 32), dtype)
+
+
+def test_q8_linear_refuses_what_it_cannot_take(k):
+    q, scale, zero = _q8_weight(32, 64, 32, seed=2)
+    x = torch.randn(3, 64)
+    assert k.q8_linear(torch.randn(9, 64), q, scale, zero, 32) is None  # prefill: a GEMM's job
+    assert k.q8_linear(torch.randn(3, 3, 64), q, scale, zero, 32) is None  # 9 rows through leading dims
+    assert k.q8_linear(x.half(), q, scale, zero, 32) is None  # not a kernel dtype
+    assert k.q8_linear(x, q, scale, zero, 24) is None  # group not a multiple of 16
+    assert k.q8_linear(x, q, scale[:, :1].contiguous(), zero[:, :1].contiguous(), 64) is not None  # one group: fine
+    assert k.q8_linear(x, q.t().contiguous().t(), scale, zero, 32) is None  # column-major codes
+    assert k.q8_linear(x, q, scale.t().contiguous().t(), zero, 32) is None  # strided scales
+    assert k.q8_linear(x, q, scale.double(), zero, 32) is None  # scales not fp32
+    assert k.q8_linear(torch.randn(3, 48), q, scale, zero, 32) is None  # width mismatch
+    assert k.q8_linear(torch.randn(0, 64), q, scale, zero, 32).shape == (0, 32)  # no rows: an empty result
+
+
+def test_q8_linear_does_not_depend_on_the_thread_count(k):
+    """Each output is one thread's, in slices of whole tiles: 1 and 2 threads agree bit for bit."""
+    q, scale, zero = _q8_weight(1003, 576, 32, seed=3)  # an odd width: a tail on the last slice
+    x = torch.randn(3, 576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = k.q8_linear(x, q, scale, zero, 32)
+        torch.set_num_threads(2)
+        two = k.q8_linear(x, q, scale, zero, 32)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)

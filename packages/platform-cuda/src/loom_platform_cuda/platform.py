@@ -61,7 +61,7 @@ class CudaPlatform(Platform):
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
-        """Install the Triton kernels behind loom's ``forward_cuda`` (RMSNorm, RoPE, SiLU)."""
+        """Install the Triton kernels behind loom's ``forward_cuda`` (RMSNorm, RoPE, SiLU, the quantized linear)."""
         # lazy: CustomOp is a torch.nn.Module and the kernels import triton; every process of a serve
         # loads this class, only the workers register kernels
         from loom_plugin_api import CustomOp
@@ -77,7 +77,9 @@ class CudaPlatform(Platform):
         CustomOp.register_kernel("rms_norm", kernels.rms_norm)
         CustomOp.register_kernel("rotary_embedding", kernels.rotary_embedding)
         CustomOp.register_kernel("silu_and_mul", kernels.silu_and_mul)
-        logger.info("Triton kernels installed for rms_norm, rotary_embedding, silu_and_mul (pid %d)", os.getpid())
+        CustomOp.register_kernel("quantized_linear", kernels.quantized_linear)  # .prepare packs 4-bit codes
+        logger.info("Triton kernels installed for rms_norm, rotary_embedding, silu_and_mul, quantized_linear (pid %d)",
+                    os.getpid())
 
     @classmethod
     def get_attn_backend_cls(

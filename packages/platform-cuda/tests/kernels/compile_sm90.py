@@ -34,6 +34,7 @@ except ImportError:
 
 from loom_platform_cuda import kernels as k  # noqa: E402
 from loom_platform_cuda.kernels import activation, attention, cache, layernorm, rotary  # noqa: E402
+from loom_plugin_api.ops import QuantizedWeight  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 compiled: list[str] = []
@@ -109,7 +110,9 @@ def check_split_counts_share_variants() -> None:
 def main() -> None:
     JITFunction.run = compile_instead_of_launch
     # The tensors here are CPU stand-ins that are never launched on: skip the CUDA-device check.
-    for module in (activation, attention, cache, layernorm, rotary):
+    # kernels.quantized_linear names the function (same name as its module): patch the module itself
+    qlinear = sys.modules["loom_platform_cuda.kernels.quantized_linear"]
+    for module in (activation, attention, cache, layernorm, rotary, qlinear):
         module.check_device = lambda **tensors: None
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         b = paged_batch([(2048, 1)] * 4, 32, 8, 128, 16, dtype)
@@ -132,6 +135,13 @@ def main() -> None:
         k.rotary_embedding(torch.arange(4), torch.randn(4, 32 * 128, dtype=torch.bfloat16),
                            torch.randn(4, 8 * 128, dtype=torch.bfloat16), 128, cos_sin, neox)
     k.silu_and_mul(torch.randn(4, 2 * 14336, dtype=torch.bfloat16))
+    for bits in (4, 8):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for group in (128, 48):  # whole input blocks, and per-element scales
+                codes = torch.randint(0, 2**bits, (256, 768), dtype=torch.uint8)
+                weight = QuantizedWeight(codes, torch.rand(256, 768 // group), torch.zeros(256, 768 // group),
+                                         bits, group)
+                k.quantized_linear(torch.randn(4, 768, dtype=dtype), k.prepare_quantized_linear(weight, dtype))
     print(f"compiled {len(compiled)} kernels for sm_90 ({len(launches)} launches)")
 
 

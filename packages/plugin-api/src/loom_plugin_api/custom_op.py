@@ -65,6 +65,9 @@ KERNEL_SIGNATURES: dict[str, str] = {
     "rotary_embedding": "rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style) "
                         "-> (query, key), rotated in place",
     "silu_and_mul": "silu_and_mul(x) -> silu(x[..., :d]) * x[..., d:]",
+    "quantized_linear": "quantized_linear(x, weight, bias=None) -> x @ W.T (+ bias), W the QuantizedWeight's "
+                        "dequantized weights; weight is the QuantizedWeight, or what the kernel's optional "
+                        "prepare(weight: QuantizedWeight, dtype) attribute made of it once at load",
 }
 """The kernels a platform may install, by op name, with the signature each is called with."""
 

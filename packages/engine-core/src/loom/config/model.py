@@ -31,7 +31,8 @@ _DTYPES = {
 }
 
 
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "int4", "int8", "none")
+QUANT_GROUP_SIZES = (32, 64, 128, 256)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -43,9 +44,13 @@ class ModelConfig:
     """``auto``, a dtype name or a ``torch.dtype``; resolved to a name (``float32``, ...)."""
     max_model_len: int | None = None
     quantization: str = "auto"
-    """How linear weights are held: ``gguf`` keeps a GGUF file's 4-bit blocks (Q4_0, Q4_1) as
-    group-wise int4 and multiplies through the int4 kernel; ``none`` dequantizes every weight to
-    ``dtype``; ``auto`` is ``gguf`` for a GGUF file on the CPU in bfloat16, else ``none``."""
+    """How linear weights are held (``layers/quantized.py``): ``gguf`` keeps a GGUF file's blocks
+    (Q4_0, Q4_1, Q8_0) as they are; ``int4`` / ``int8`` quantize a safetensors checkpoint's linear
+    weights at load (round to nearest, groups of ``quantization_group_size``); ``none`` keeps or
+    dequantizes every weight to ``dtype``; ``auto`` is ``gguf`` for a GGUF file on the CPU in
+    bfloat16, else ``none``."""
+    quantization_group_size: int = 128
+    """Weights per scale along the input dimension for ``int4`` / ``int8`` (GGUF files keep theirs)."""
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int | None = 0
     served_model_name: str | None = None
@@ -148,9 +153,15 @@ class ModelConfig:
         if quantization == "gguf" and not gguf:
             raise ValueError(f"--quantization gguf keeps a GGUF file's blocks, but {self.model_path} is not a GGUF "
                              "file; use --quantization none (or auto)")
-        if quantization == "gguf" and not host:
-            raise ValueError(f"--quantization gguf runs on the CPU platform only so far, not on {device_type}; "
-                             "use --quantization none (or auto)")
+        if quantization in ("int4", "int8") and gguf:
+            raise ValueError(f"--quantization {quantization} quantizes a safetensors checkpoint, but {self.model_path} "
+                             "is a GGUF file, already quantized; use --quantization gguf (or auto)")
+        if quantization != "none" and not host:
+            raise ValueError(f"--quantization {quantization} runs on the CPU platform only so far, not on "
+                             f"{device_type}; use --quantization none (or auto)")
+        if self.quantization_group_size not in QUANT_GROUP_SIZES:
+            raise ValueError(f"--quantization-group-size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, "
+                             f"got {self.quantization_group_size}")
         return quantization
 
     def _derived_max_model_len(self) -> int:

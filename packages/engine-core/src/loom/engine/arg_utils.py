@@ -26,7 +26,7 @@ from ..config import (
     SchedulerConfig,
 )
 from ..config.cli import add_flags, flag, from_args
-from ..config.model import QUANTIZATIONS
+from ..config.model import QUANT_GROUP_SIZES, QUANTIZATIONS
 from ..logger import init_logger
 from ..model_loader import load_format_choices
 
@@ -55,7 +55,10 @@ class EngineArgs:
     max_model_len: int | None = flag(None, type=int)
     quantization: str = flag(
         "auto", choices=list(QUANTIZATIONS),
-        help="gguf: keep a GGUF file's 4-bit blocks as int4 (CPU); none: dequantize; auto: gguf for GGUF on a bf16 CPU")
+        help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int4/int8: quantize a safetensors model's "
+             "linear weights at load (round to nearest); none: dequantize; auto: gguf for GGUF on a bf16 CPU")
+    quantization_group_size: int = flag(128, type=int, choices=list(QUANT_GROUP_SIZES),
+                                        help="weights per scale for --quantization int4/int8")
     hf_overrides: dict[str, Any] = flag(
         default_factory=dict, type=_json_object,
         help='JSON object set on the HF config, e.g. \'{"architectures": ["MyLlama"]}\'')
@@ -105,6 +108,7 @@ class EngineArgs:
         model_config = ModelConfig(
             model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
             max_model_len=self.max_model_len, quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size,
             hf_overrides=dict(self.hf_overrides), seed=self.seed,
             served_model_name=self.served_model_name, device_type=device_config.device_type,
             platform_dtypes=tuple(current_platform.supported_dtypes),

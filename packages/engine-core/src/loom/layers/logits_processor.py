@@ -8,9 +8,10 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from loom_plugin_api.ops import QuantizedLinear
 
 from ..distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
-from . import onednn
+from . import onednn, quantized
 from .vocab_parallel_embedding import VocabParallelEmbedding
 
 __all__ = ["LogitsProcessor"]
@@ -25,7 +26,10 @@ class LogitsProcessor(nn.Module):
 
     ``forward(lm_head, hidden_states (N, hidden)) -> logits (N, vocab_size)``.
     On the CPU, ``onednn.prepack_model`` gives it ``packed_head``: the LM head's weight
-    packed in chunks of ``chunk`` rows, used instead of ``lm_head.weight``.
+    packed in chunks of ``chunk`` rows, used instead of ``lm_head.weight``. A GGUF file whose
+    LM head (or tied embedding) is quantized gives it ``quantized_head``, a ``QuantizedLinear``
+    over this rank's (padded) vocabulary rows: steps of up to ``QUANT_MAX_ROWS`` rows (decoding a
+    few streams, bound by reading the head) multiply through it, larger ones through the dense head.
     """
 
     chunk = 2048  # vocabulary rows per LM-head matmul of the greedy path (logits stay in cache)
@@ -36,6 +40,13 @@ class LogitsProcessor(nn.Module):
         self.org_vocab_size = org_vocab_size or vocab_size
         self.scale = scale
         self.packed_head: onednn.PackedHead | None = None
+        self.quantized_head: QuantizedLinear | None = None
+
+    def _quantized_logits(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """This rank's ``(N, padded_vocab / tp)`` logits through the quantized head, or None for a batch."""
+        if self.quantized_head is None or hidden_states.shape[0] > quantized.QUANT_MAX_ROWS:
+            return None
+        return self.quantized_head(hidden_states, getattr(lm_head, "bias", None))
 
     def _chunks(self, lm_head: VocabParallelEmbedding, rows: int, chunk: int) -> Iterator[tuple[int, Callable]]:
         """``(lo, logits of rows lo:lo+chunk)`` over this rank's first ``rows`` vocabulary rows."""
@@ -53,10 +64,11 @@ class LogitsProcessor(nn.Module):
             yield lo, functools.partial(F.linear, weight=lm_head.weight[lo:hi], bias=None if bias is None else bias[lo:hi])
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:
+        logits = self._quantized_logits(lm_head, hidden_states)  # (N, padded_vocab / tp) or None
+        if logits is None and self.packed_head is not None:
             rows = lm_head.weight.shape[0]
             logits = torch.cat([fn(hidden_states) for _, fn in self._chunks(lm_head, rows, self.chunk)], dim=-1)
-        else:
+        elif logits is None:
             logits = F.linear(hidden_states, lm_head.weight, getattr(lm_head, "bias", None))  # (N, padded_vocab / tp)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)  # (N, padded_vocab)
         logits = logits[..., : self.org_vocab_size]  # (N, vocab)
@@ -77,7 +89,12 @@ class LogitsProcessor(nn.Module):
         start = lm_head.vocab_start_index
         local = max(0, min(lm_head.weight.shape[0], self.org_vocab_size - start))  # drop padding rows
         best_val = best_idx = None
-        for lo, logits_of in self._chunks(lm_head, local, chunk or self.chunk):
+        whole = self._quantized_logits(lm_head, hidden_states)  # the few-rows path: one call, not chunks
+        if whole is None:
+            chunks = self._chunks(lm_head, local, chunk or self.chunk)
+        else:
+            chunks = [(0, lambda _: whole[:, :local])] if local else []
+        for lo, logits_of in chunks:
             logits = logits_of(hidden_states)  # (N, c)
             val, idx = logits.max(dim=-1)
             idx += start + lo

@@ -25,11 +25,10 @@ import functools
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from loom_plugin_api.ops.quantized_linear import QuantizedLinear
 
 from .. import envs
 from ..logger import init_logger
-from . import quantized
-from .quantized import Int4Weight
 
 logger = init_logger("loom.layers.onednn")
 
@@ -57,13 +56,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for a dense, a packed or an int4 weight (``--quantization gguf``)."""
-    if isinstance(weight, Int4Weight):
-        if x.numel() > quantized.INT4_MAX_ROWS * x.shape[-1]:  # a batch: the dense copy
-            return linear(x, weight.dense, bias)
-        out = weight.matmul(x)
-        return out if bias is None else out + bias
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` for a dense or a packed weight, or through a quantized layer's op
+    (``layers/quantized.py``)."""
+    if isinstance(weight, QuantizedLinear):
+        return weight(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -88,11 +85,8 @@ def prepack_model(model: nn.Module) -> int:
     packed = 0
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, LinearBase) and isinstance(module.weight, Int4Weight):
-                if enabled_for(module.weight.dense):  # the int4 layer's copy for large batches
-                    module.weight.dense = pack_weight(module.weight.dense)
-                    packed += 1
-                continue
+            if isinstance(module, LinearBase) and isinstance(module.weight, QuantizedLinear):
+                continue  # its kernel's layouts were made when the layer was built (layers/quantized.py)
             if isinstance(module, LinearBase) and enabled_for(module.weight):
                 loader = getattr(module.weight, "weight_loader", None)
                 module.weight = nn.Parameter(pack_weight(module.weight), requires_grad=False)

@@ -1,87 +1,93 @@
-"""Linear layers with group-wise int4 weights (``--quantization gguf``).
+"""Linear layers with group-wise quantized weights (``--quantization gguf``, ``int4``, ``int8``).
 
-Two layouts of the same weights: torch's int4 kernel reads a quarter of the bytes of bf16,
-which is what decoding a few streams is bound by, but it dequantizes per row, so from a
-handful of rows on it falls far behind a GEMM (measured here: equal at 2 rows, 10x slower at
-64). A layer therefore multiplies up to ``INT4_MAX_ROWS`` rows through the int4 kernel and
-larger batches (prefill, many streams) through a dense copy of the exact dequantized weights
-in the compute dtype (prepacked for oneDNN like any CPU linear).
+A quantized layer's ``weight`` is a ``QuantizedLinear`` op (the contract's replaceable op, in
+``loom_plugin_api.ops``) holding a ``QuantizedWeight``: uint8 codes and one fp32 scale and zero
+per group along the input dimension, a weight being ``(q - 2**(bits-1)) * scale + zero``. The
+layer multiplies through the op, so the platform's ``quantized_linear`` kernel runs it.
 
-A layer chosen for int4 trades its dense ``weight`` parameter for three that load through
-the layer's own ``weight_loader`` (so tensor-parallel slicing and the fused q/k/v and
-gate/up shards work unchanged): ``qweight`` (uint8 values 0..15, ``(out, in)``), and the
-fp32 ``qscale`` and ``qzero`` (``(out, in / 32)``); a weight is ``(q - 8) * scale + zero``
-(``loom.model_loader.gguf_quant``). Once loaded, :func:`finish_int4` packs them for torch's
-CPU int4 matmul (``_convert_weight_to_int4pack_for_cpu``, scales and zeros in the compute
-dtype) and the layer's ``weight`` becomes an :class:`Int4Weight`, which ``onednn.linear``
-multiplies through ``_weight_int4pack_mm_for_cpu``.
+Loading: :func:`make_quantized_params` trades the layer's dense ``weight`` parameter for three
+that load through the layer's own ``weight_loader`` (so tensor-parallel slicing and the fused
+q/k/v and gate/up shards work unchanged): ``qweight`` (uint8 ``(out, in)``), ``qscale`` and
+``qzero`` (fp32 ``(out, in / group)``). A GGUF file fills them with its blocks' values as they
+are (``model_loader/gguf_quant.py``); :func:`quantize_rtn` makes them from a dense checkpoint
+weight (round to nearest). :func:`finish_quantized` then builds the op.
 
-In fp32 the int4 kernel computes with the file's exact weights; in bf16 its scales and zeros are
-held in bf16 (the kernel takes them in the activations' dtype), so its weights are the file's to
-within bf16 rounding of the scale and zero, while the dense copy holds the exact values rounded
-once to bf16. Memory: packed int4 (0.56 bytes per weight with scales) plus the dense copy (2
-bytes in bf16), against 2 bytes for ``--quantization none``.
+The CPU platform's kernel (:func:`cpu_quantized_linear`, installed by ``CpuPlatform``) keeps
+two layouts of the same weights (:class:`CpuQuantizedWeight`). Decoding a few streams is bound
+by reading the weights, so up to ``QUANT_MAX_ROWS`` rows multiply through a kernel that reads
+the codes: torch's int4 matmul (``_weight_int4pack_mm_for_cpu``, 4-bit) or the C 8-bit kernel
+(``cpu_kernels.c``, 8-bit). Both dequantize per row, so from a handful of rows on they fall far
+behind a GEMM (int4 measured here: equal at 2 rows, 10x slower at 64): larger batches (prefill,
+many streams) multiply through a dense copy of the exact dequantized weights in the compute
+dtype, prepacked for oneDNN like any CPU linear. Memory: the codes (0.56 bytes per weight at 4
+bits with scales, 1.06 at 8) plus the dense copy (2 bytes in bf16).
+
+In fp32 the int4 kernel computes with the exact weights; in bf16 its scales and zeros are held
+in bf16 (it takes them in the activations' dtype), so its weights are exact to within bf16
+rounding of the scale and zero. The 8-bit kernel keeps them in fp32.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from loom_plugin_api.ops.quantized_linear import QuantizedLinear, QuantizedWeight
 
-__all__ = ["GROUP_SIZE", "INT4_MAX_ROWS", "QPARAMS", "Int4Weight", "available", "finish_int4", "make_int4_params"]
+from . import onednn
 
-INT4_MAX_ROWS = 4
-"""Rows (tokens) up to which a step multiplies through the int4 kernel; more use the dense copy."""
-GROUP_SIZE = 32
-"""Weights per scale and zero along ``in`` (GGUF's 4-bit block; torch also takes 64-256)."""
+__all__ = [
+    "QPARAMS", "QUANT_MAX_ROWS", "CpuQuantizedWeight", "cpu_quantized_linear", "finish_quantized",
+    "int4_available", "make_quantized_params", "quantize_rtn",
+]
+
+QUANT_MAX_ROWS = 4
+"""Rows (tokens) up to which a step multiplies through the codes; more use the dense copy."""
 QPARAMS = ("qweight", "qscale", "qzero")
+_INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 packing takes
 
 
-def available() -> bool:
+def int4_available() -> bool:
     """Whether this torch has the CPU int4 packing and matmul."""
     aten = torch.ops.aten
     return hasattr(aten, "_convert_weight_to_int4pack_for_cpu") and hasattr(aten, "_weight_int4pack_mm_for_cpu")
 
 
-class Int4Weight:
-    """An ``(out, in)`` weight in torch's CPU int4 layout, groups of 32 along ``in``, and
-    ``dense``: the same weights dequantized in the compute dtype, for batches of many rows."""
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest ``(q, scale, zero)`` of an ``(out, in)`` weight, groups along ``in``.
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> None:
-        self.shape = tuple(q.shape)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
-        # (in / 32, out, 2): per group and output, the scale and the zero, in the activations' dtype
-        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-        out_features, in_features = self.shape
-        grouped = q.view(out_features, in_features // GROUP_SIZE, GROUP_SIZE).float() - 8
-        self.dense: torch.Tensor = (grouped * scale.unsqueeze(-1) + zero.unsqueeze(-1)).view(self.shape).to(dtype)
-        """Replaced by its oneDNN-packed layout by ``onednn.prepack_model`` where enabled."""
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.shape[1])
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), self.packed, GROUP_SIZE,
-                                                         self.scales_and_zeros)
-        return out.view(*x.shape[:-1], self.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the int4 kernel reads per call (the packed weights, scales and zeros)."""
-        return self.packed.numel() * self.packed.element_size() + \
-            self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+    4 bits: asymmetric, each group's range ``[min, max]`` in 16 steps (as GGUF's Q4_1);
+    8 bits: symmetric, ``absmax / 127`` per group (as Q8_0). Codes are uint8, offset by
+    ``2**(bits-1)`` (``QuantizedWeight``'s form).
+    """
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"group size {group_size} does not divide the input width {in_features}")
+    w = weight.detach().float().reshape(out_features, in_features // group_size, group_size)
+    if bits == 4:
+        lo, hi = w.amin(-1), w.amax(-1)  # (out, groups)
+        scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        q = ((w - lo.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15)
+        zero = lo + 8 * scale  # (q - 8) * scale + zero == q * scale + lo
+    elif bits == 8:
+        scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        q = (w / scale.unsqueeze(-1)).round().clamp(-127, 127) + 128
+        zero = torch.zeros_like(scale)
+    else:
+        raise ValueError(f"round-to-nearest quantization takes 4 or 8 bits, got {bits}")
+    return q.to(torch.uint8).reshape(out_features, in_features), scale, zero
 
 
-def make_int4_params(layer: nn.Module) -> bool:
-    """Give ``layer`` (a ``LinearBase``) int4 parameters in place of its dense weight; False
-    (and the layer unchanged) when its per-rank shape does not fit torch's int4 packing: input
-    width in whole groups of 32, output width a multiple of 16."""
+def make_quantized_params(layer: nn.Module, group_size: int) -> bool:
+    """Give ``layer`` (a ``LinearBase``) quantized parameters in place of its dense weight;
+    False (and the layer unchanged) when its per-rank input width is not whole groups."""
     out_features, in_features = layer.weight.shape
-    if in_features % GROUP_SIZE or out_features % 16:
+    if in_features % group_size:
         return False
     loader = layer.weight.weight_loader
     del layer.weight
     shapes = {"qweight": ((out_features, in_features), torch.uint8),
-              "qscale": ((out_features, in_features // GROUP_SIZE), torch.float32),
-              "qzero": ((out_features, in_features // GROUP_SIZE), torch.float32)}
+              "qscale": ((out_features, in_features // group_size), torch.float32),
+              "qzero": ((out_features, in_features // group_size), torch.float32)}
     for name, (shape, dtype) in shapes.items():
         param = nn.Parameter(torch.empty(shape, dtype=dtype, device="cpu"), requires_grad=False)
         param.weight_loader = loader  # type: ignore[attr-defined]
@@ -89,19 +95,117 @@ def make_int4_params(layer: nn.Module) -> bool:
     return True
 
 
-def finish_int4(layer: nn.Module, dtype: torch.dtype) -> None:
-    """Pack a loaded int4 layer: its ``weight`` becomes an :class:`Int4Weight`."""
-    weight = Int4Weight(layer.qweight.data, layer.qscale.data, layer.qzero.data, dtype)
+def quantize_model(model: nn.Module, bits: int, group_size: int, dtype: torch.dtype) -> tuple[int, int]:
+    """Quantize every loaded linear layer of ``model`` in place (``--quantization int4`` / ``int8``);
+    ``(quantized, kept dense)``: a layer whose per-rank input width is not whole groups stays dense."""
+    # here, not at the top: linear.py imports onednn, which this module imports
+    from .linear import LinearBase
+
+    done = kept = 0
+    for module in list(model.modules()):
+        if not isinstance(module, LinearBase) or not isinstance(module.weight, torch.Tensor):
+            continue
+        if module.weight.shape[1] % group_size:
+            kept += 1
+            continue
+        q, scale, zero = quantize_rtn(module.weight.data, bits, group_size)
+        del module.weight
+        module.qweight, module.qscale, module.qzero = (nn.Parameter(t, requires_grad=False) for t in (q, scale, zero))
+        finish_quantized(module, bits, dtype)
+        done += 1
+    return done, kept
+
+
+def finish_quantized(layer: nn.Module, bits: int, dtype: torch.dtype) -> None:
+    """Turn a loaded layer's quantized parameters into its ``weight``: a ``QuantizedLinear`` op."""
+    group_size = layer.qweight.shape[1] // layer.qscale.shape[1]
+    weight = QuantizedWeight(layer.qweight.data, layer.qscale.data, layer.qzero.data, bits, group_size)
     for name in QPARAMS:
         delattr(layer, name)
-    layer.weight = weight
+    layer.weight = QuantizedLinear(weight, dtype)
     layer.register_state_dict_post_hook(_dense_state)
+    prepared = layer.weight.kernel_weight() if layer.weight.forward_method_name != "forward_native" else None
+    if isinstance(prepared, CpuQuantizedWeight):
+        prepared.make_dense()  # now, at load: made on the first prefill, it would slow that request
+
+
+class CpuQuantizedWeight:
+    """The CPU kernel's layouts of a ``QuantizedWeight``: the codes for a few rows (torch's int4
+    layout, or the 8-bit codes as they are) and ``dense``, the dequantized weights in the compute
+    dtype (oneDNN-packed where enabled), for batches."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.shape = weight.shape
+        self.bits, self.group_size = weight.bits, weight.group_size
+        out_features, in_features = self.shape
+        self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.codes: QuantizedWeight | None = None
+        if weight.bits == 4 and weight.group_size in _INT4_GROUPS and out_features % 16 == 0 and int4_available():
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.qweight.to(torch.int32).contiguous(), 1)
+            # (in / group, out, 2): per group and output, the scale and the zero, in the activations' dtype
+            scales_and_zeros = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).to(dtype).contiguous()
+            self.int4 = (packed, scales_and_zeros)
+        elif weight.bits == 8:
+            self.codes = weight
+        self._weight, self.dtype = weight, dtype
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """The dequantized weights in the compute dtype (oneDNN-packed where enabled). A model's
+        linear layers make theirs at load (:func:`finish_quantized`); one that only ever sees a
+        few rows (the quantized LM head of ``LogitsProcessor``) never holds one."""
+        return self.make_dense()
+
+    def make_dense(self) -> torch.Tensor:
+        if self._dense is None:
+            dense = self._weight.dequantize(self.dtype)
+            self._dense = onednn.pack_weight(dense) if onednn.enabled_for(dense) else dense
+        return self._dense
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the few-rows kernel reads per call (codes, scales and zeros); the dense copy's without one."""
+        if self.int4 is not None:
+            return sum(t.numel() * t.element_size() for t in self.int4)
+        if self.codes is not None:
+            return sum(t.numel() * t.element_size() for t in (self.codes.qweight, self.codes.scale, self.codes.zero))
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+    def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x @ W.T`` through the codes, or None where no kernel here takes them."""
+        if self.int4 is not None:
+            packed, scales_and_zeros = self.int4
+            rows = x.reshape(-1, self.shape[1])
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, self.group_size,
+                                                             scales_and_zeros)
+            return out.view(*x.shape[:-1], self.shape[0])
+        if self.codes is not None:
+            # here, not at the top: the platform module imports the kernels' build machinery
+            from ..platforms.cpu_kernels import kernels
+
+            k = kernels()
+            if k is not None:
+                c = self.codes
+                return k.q8_linear(x, c.qweight, c.scale, c.zero, c.group_size)
+        return None
+
+
+def cpu_quantized_linear(x: torch.Tensor, weight: CpuQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU platform's ``quantized_linear`` kernel (``KERNEL_SIGNATURES``)."""
+    if x.dtype == weight.dtype and x.numel() <= QUANT_MAX_ROWS * x.shape[-1]:
+        out = weight.few_rows(x)
+        if out is not None:
+            return out if bias is None else out + bias
+    return onednn.linear(x.to(weight.dtype), weight.dense, bias).to(x.dtype)
+
+
+cpu_quantized_linear.prepare = CpuQuantizedWeight  # type: ignore[attr-defined]
 
 
 def _dense_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """``state_dict()`` shows an int4 layer's weight as the dense ``(out, in)`` tensor of the
-    file's values (as ``onednn``'s hook does for packed layers)."""
-    weight = getattr(module, "weight", None)
-    if isinstance(weight, Int4Weight):
-        dense = weight.dense
-        state_dict[prefix + "weight"] = dense.to_dense() if dense.is_mkldnn else dense
+    """``state_dict()`` shows a quantized layer's weight as the dense ``(out, in)`` tensor of its
+    values in the compute dtype (as ``onednn``'s hook does for packed layers)."""
+    op = getattr(module, "weight", None)
+    if isinstance(op, QuantizedLinear):
+        state_dict[prefix + "weight"] = op.weight.dequantize(op.dtype)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..logger import init_logger
+
 if TYPE_CHECKING:
     import torch.nn as nn
 
@@ -24,6 +26,8 @@ __all__ = [
     "register_weight_loader", "resolve_load_format",
 ]
 
+
+logger = init_logger(__name__)
 
 WeightLoader = Callable[["nn.Module", "LoomConfig", bool], str]
 """``loader(model, config, show_progress) -> source``: fills every parameter of ``model``."""
@@ -39,6 +43,14 @@ def _load_safetensors(model: nn.Module, config: LoomConfig, show_progress: bool)
 
     source = config.model_config.model_path
     load_weights_into(model, safetensors_weights_iterator(safetensors_files(source), show_progress), source)
+    quantization = getattr(config.model_config, "quantization", "none")
+    if quantization in ("int4", "int8"):
+        from ..layers.quantized import quantize_model  # lazy: it imports torch and the layers
+
+        group_size = config.model_config.quantization_group_size
+        done, kept = quantize_model(model, int(quantization[3:]), group_size, config.model_config.torch_dtype)
+        logger.info("Quantized %d linear layers to %s (round to nearest, groups of %d)%s", done, quantization,
+                    group_size, f"; {kept} kept dense (input width not whole groups)" if kept else "")
     return source
 
 
@@ -50,9 +62,9 @@ def _load_gguf(model: nn.Module, config: LoomConfig, show_progress: bool) -> str
 
     source = config.model_config.model_path
     if getattr(config.model_config, "quantization", "none") == "gguf":
-        from .gguf_int4 import load_gguf_int4  # lazy: it imports torch and the layers
+        from .gguf_quantized import load_gguf_quantized  # lazy: it imports torch and the layers
 
-        load_gguf_int4(model, source, config.model_config.torch_dtype)
+        load_gguf_quantized(model, source, config.model_config.torch_dtype)
         return source
     load_weights_into(model, safetensors_weights_iterator([gguf_weights_file(source)], show_progress), source)
     return source

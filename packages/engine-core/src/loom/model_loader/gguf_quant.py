@@ -1,4 +1,5 @@
-"""GGUF's 4-bit block formats, read into group-wise int4 (the same values, none re-quantized).
+"""GGUF's block formats Q4_0, Q4_1 and Q8_0, read into group-wise codes (the same values, none
+re-quantized).
 
 llama.cpp stores a Q4_0 or Q4_1 matrix row by row in blocks of 32 weights along the input
 dimension: an fp16 scale ``d`` (and, for Q4_1, an fp16 minimum ``m``), then 16 bytes whose
@@ -13,17 +14,24 @@ bytes per row)`` uint8 array) into ``(q, scale, zero)``: ``q`` uint8 ``(rows, co
 the fp32 ``scale`` and ``zero`` ``(rows, cols / 32)``. Rows are the matrix's output
 features, so a row permutation (Q/K un-permuting) or a row slice (tensor parallelism)
 applies to all three alike.
+
+Q8_0 blocks are an fp16 scale ``d`` and 32 int8 weights ``c``, the value ``d * c``:
+:func:`split_blocks` gives them as 8-bit codes ``c + 128`` with ``scale = d`` and ``zero = 0``
+(``QuantizedWeight``'s form, codes offset by ``2**(bits-1)``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["GROUP_SIZE", "INT4_TYPES", "dequantize_int4", "dequantize_q8_0", "split_int4_blocks"]
+__all__ = ["BITS", "GROUP_SIZE", "INT4_TYPES", "dequantize_int4", "dequantize_q8_0", "split_blocks",
+           "split_int4_blocks"]
 
 GROUP_SIZE = 32
 INT4_TYPES = ("Q4_0", "Q4_1")
-"""GGUF types that load as int4 groups (``--quantization gguf``); others are dequantized."""
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+"""GGUF types that load as quantized groups (``--quantization gguf``), by code width; others are
+dequantized."""
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 
 
@@ -45,6 +53,19 @@ def split_int4_blocks(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.n
     nibbles = blocks[..., block - 16:]  # (rows, groups, 16)
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # weights 0-15, then 16-31
     return q.reshape(rows, -1), d, zero
+
+
+def split_blocks(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(q, scale, zero)`` of a Q4_0, Q4_1 or Q8_0 tensor from its raw ``(rows, bytes per row)`` bytes."""
+    if type_name != "Q8_0":
+        return split_int4_blocks(raw, type_name)
+    rows, nbytes = raw.shape
+    if nbytes % 34:
+        raise ValueError(f"a Q8_0 row of {nbytes} bytes is not whole blocks of 34")
+    blocks = np.ascontiguousarray(raw).reshape(rows, nbytes // 34, 34)
+    d = blocks[..., 0:2].copy().view("<f2")[..., 0].astype(np.float32)  # (rows, groups)
+    q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # (rows, groups, 32)
+    return q.reshape(rows, -1), d, np.zeros_like(d)
 
 
 def dequantize_int4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:

@@ -33,11 +33,16 @@ class CpuPlatform(HostPlatform):
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
-        # Not Triton here: fused C kernels compiled on this machine, behind the ops' forward_cpu.
-        # Imported here, not at the top: it imports torch, which the CLI's platform detection must not.
-        from .cpu_kernels import install
+        # Not Triton here: fused C kernels compiled on this machine, behind the ops' forward_cpu, and
+        # the quantized matmul (torch's int4 kernel, the C 8-bit one, a dense copy for batches).
+        # Imported here, not at the top: they import torch, which the CLI's platform detection must not.
+        from loom_plugin_api import CustomOp  # lazy: CustomOp is a torch module
+
+        from ..layers.quantized import cpu_quantized_linear  # lazy: imports torch
+        from .cpu_kernels import install  # lazy: imports torch
 
         install()
+        CustomOp.register_kernel("quantized_linear", cpu_quantized_linear)
 
     @classmethod
     def get_attn_backend_cls(

@@ -1,5 +1,6 @@
 """The CPU platform's fused kernels for the replaceable ops: ``rms_norm``, ``silu_and_mul`` and
-``rotary_embedding`` (``loom_plugin_api.KERNEL_SIGNATURES``), from ``cpu_kernels.c``.
+``rotary_embedding`` (``loom_plugin_api.KERNEL_SIGNATURES``), from ``cpu_kernels.c``; and
+``CpuKernels.q8_linear``, the decode matmul by an 8-bit group-wise quantized weight.
 
 ``CpuPlatform.register_triton_kernel_overrides`` calls :func:`install` in every worker: it
 compiles the C file with the machine's compiler (cached next to the paged-decode kernel, see
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import subprocess
 from importlib import resources
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from loom_plugin_api import CustomOp
 from loom_plugin_api.ops.activation import SiluAndMul
 from loom_plugin_api.ops.layernorm import RMSNorm
@@ -39,7 +42,9 @@ _ARGTYPES = {
     "rms_norm": [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _F32, _INT],
     "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT],
     "rotary": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
+    "q8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
 }
+_Q8_MAX_ROWS = 8  # the kernel's register tiles go up to 8 rows; more is prefill, for a GEMM
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +116,39 @@ class CpuKernels:
             raise IndexError(f"a position is outside the rotary cache of {cache.shape[0]} positions")
         return query, key
 
+    def q8_linear(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                  group_size: int) -> torch.Tensor | None:
+        """``x @ w.T`` for the 8-bit group-wise weight ``w[o, i] = (qweight[o, i] - 128) *
+        scale[o, i // group_size] + zero[o, i // group_size]`` (no bias), summed in fp32, in x's
+        dtype; for decode, up to 8 rows of x, reading the codes once for all of them. None where
+        the kernel cannot take it (dtype, too many rows, a group size not a multiple of 16 dividing
+        the input width, non-contiguous or mis-shaped weights): the caller takes another path."""
+        fn = self._fns.get(("q8_linear", x.dtype))
+        if fn is None or x.dim() < 1 or qweight.dim() != 2 or qweight.dtype != torch.uint8:
+            return None
+        n, k = qweight.shape
+        groups = (n, k // group_size) if group_size > 0 else None
+        rows = math.prod(x.shape[:-1])
+        if (x.shape[-1] != k or rows > _Q8_MAX_ROWS or group_size <= 0 or group_size % 16 or k % group_size
+                or any(t.shape != groups or t.dtype != torch.float32 or not t.is_contiguous() for t in (scale, zero))
+                or not qweight.is_contiguous()
+                or any(t.device.type != "cpu" for t in (x, qweight, scale, zero))):
+            return None
+        out = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+        if rows == 0 or n == 0:
+            return out
+        xr = _rows(x)
+        rc = fn(xr.data_ptr(), xr.stride(0), qweight.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), n,
+                rows, n, k, group_size, torch.get_num_threads())
+        return None if rc else out  # nonzero: out of memory for the fp32 copy of x (the checks above cover the rest)
+
+
+def _q8_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The fp32 weight ``q8_linear`` multiplies by: ``(qweight - 128) * scale + zero`` per group."""
+    n, k = qweight.shape
+    w = (qweight.float() - 128).view(n, k // group_size, group_size) * scale[..., None] + zero[..., None]
+    return w.view(n, k)
+
 
 def _native_rms_norm(x, weight, eps, residual=None):
     """The in-tree op's own reference (``forward_native`` reads only these two attributes)."""
@@ -148,6 +186,20 @@ def _self_check(k: CpuKernels) -> None:
                 if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
                     raise native.NativeKernelError(f"the compiled {name} disagrees with torch in {dtype} "
                                                    f"(max error {(a.float() - b.float()).abs().max():.3g})")
+        # q8_linear: 3 rows, 21 outputs (full tiles and a tail), two groups of 32; against the
+        # dequantized weight in fp32. Sums of 64 products differ from torch's in order only: 1e-4
+        # of the outputs' scale in fp32; bf16 adds its own output rounding (2^-8 relative).
+        qw = torch.randint(0, 256, (21, 64), generator=g, dtype=torch.uint8)
+        sc, zp = torch.rand(21, 2, generator=g) * 0.02, torch.randn(21, 2, generator=g) * 0.01
+        xq = torch.randn(3, 64, generator=g).to(dtype)
+        want = F.linear(xq.float(), _q8_dequantize(qw, sc, zp, 32))
+        got = k.q8_linear(xq, qw, sc, zp, 32)
+        if got is None or got.dtype != dtype or got.shape != want.shape:
+            raise native.NativeKernelError(f"the compiled q8_linear refused or misshaped a {dtype} problem")
+        q8_tol = 1e-4 if dtype == torch.float32 else 1e-2
+        if not torch.allclose(got.float(), want, rtol=q8_tol, atol=q8_tol * want.abs().max().item()):
+            raise native.NativeKernelError(f"the compiled q8_linear disagrees with torch in {dtype} "
+                                           f"(max error {(got.float() - want).abs().max():.3g})")
 
 
 @functools.cache
@@ -161,8 +213,8 @@ def kernels() -> CpuKernels | None:
         _self_check(k)
         return k
     except (native.NativeKernelError, OSError, subprocess.SubprocessError, AttributeError) as e:
-        logger.warning("CPU fused kernels unavailable, RMSNorm, SiLU-and-mul and rotary embedding run on torch "
-                       "ops (slower): %s. Install a C compiler with OpenMP (gcc) to enable them, or set "
+        logger.warning("CPU fused kernels unavailable, RMSNorm, SiLU-and-mul, rotary embedding and the 8-bit "
+                       "linear run on torch ops (slower): %s. Install a C compiler with OpenMP (gcc) to enable them, or set "
                        "LOOM_CPU_NATIVE_KERNELS=0 to silence this.", e)
         return None
 

@@ -12,12 +12,16 @@ from .activation import silu_and_mul
 from .attention import paged_attention, paged_attention_decode, paged_attention_prefill
 from .cache import reshape_and_cache
 from .layernorm import rms_norm
+from .quantized_linear import PackedQuantizedWeight, prepare_quantized_linear, quantized_linear
 from .rotary import rotary_embedding
 
 __all__ = [
+    "PackedQuantizedWeight",
     "paged_attention",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "prepare_quantized_linear",
+    "quantized_linear",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from loom_plugin_api.ops.quantized_linear import QuantizedWeight
 
 __all__ = [
     "paged_attention_ref",
+    "quantized_linear_ref",
     "reshape_and_cache_ref",
     "rms_norm_ref",
     "rotary_embedding_ref",
@@ -71,6 +73,17 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out.view(t, h * d)
+
+
+def quantized_linear_ref(
+    x: torch.Tensor,  # (..., in)
+    weight: QuantizedWeight,  # (out, in) as codes
+    bias: torch.Tensor | None = None,  # (out,)
+) -> torch.Tensor:  # (..., out) in x's dtype
+    """``x @ W.T + bias`` with W dequantized in fp32 and the product taken in fp32, cast to x's dtype."""
+    w = weight.dequantize(torch.float32).to(x.device)  # (out, in)
+    out = F.linear(x.float(), w, None if bias is None else bias.float())
+    return out.to(x.dtype)
 
 
 def rms_norm_ref(

@@ -19,7 +19,13 @@ op name             class                     constructor -> forward
                                               is_neox_style=True, dtype=None)`` ->
                                               ``forward(positions, query, key)`` -> ``(query, key)``
 ``silu_and_mul``    ``SiluAndMul``            ``()`` -> ``forward(x)``: ``silu(x[..., :d]) * x[..., d:]``
+``quantized_linear``  ``QuantizedLinear``     ``(weight: QuantizedWeight, dtype)`` ->
+                                              ``forward(x, bias=None)``:
+                                              ``x @ weight.dequantize().T + bias``
 ==================  ========================  ==================================================
+
+``QuantizedWeight`` is the vendor-neutral form of group-wise quantized weights (codes, scales,
+zeros); a ``quantized_linear`` kernel may pack it once through its ``prepare`` attribute.
 
 ``LinearScalingRotaryEmbedding`` and ``Llama3RotaryEmbedding`` subclass
 ``RotaryEmbedding`` (``get_rope`` picks one from an HF ``rope_scaling`` dict); they are
@@ -38,6 +44,8 @@ __all__ = [
     "LayerNorm",
     "Llama3RotaryEmbedding",
     "LinearScalingRotaryEmbedding",
+    "QuantizedLinear",
+    "QuantizedWeight",
     "RMSNorm",
     "RotaryEmbedding",
     "SiluAndMul",
@@ -49,6 +57,7 @@ REPLACEABLE_OPS: dict[str, str] = {
     "layer_norm": "LayerNorm",
     "rotary_embedding": "RotaryEmbedding",
     "silu_and_mul": "SiluAndMul",
+    "quantized_linear": "QuantizedLinear",
 }
 """Op name (what ``custom_ops`` switches and ``register_kernel`` keys) -> class name
 (what ``register_oot`` keys)."""
@@ -61,6 +70,8 @@ _LAZY = {
     "Llama3RotaryEmbedding": "rotary_embedding",
     "get_rope": "rotary_embedding",
     "SiluAndMul": "activation",
+    "QuantizedLinear": "quantized_linear",
+    "QuantizedWeight": "quantized_linear",
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-__all__ = ["ELEMENTWISE", "ATTENTION", "assert_close", "torch_dtype"]
+__all__ = ["ATTENTION", "ELEMENTWISE", "MATMUL", "assert_close", "torch_dtype"]
 
 ELEMENTWISE: dict[str, tuple[float, float]] = {
     "float32": (1e-5, 1e-5),
@@ -21,6 +21,10 @@ ATTENTION: dict[str, tuple[float, float]] = {
     "bfloat16": (3e-2, 3e-2),
 }
 """(atol, rtol) of attention (a softmax and two matmuls) against the fp32 reference."""
+
+MATMUL: dict[str, tuple[float, float]] = ATTENTION
+"""(atol, rtol) of a matmul with outputs of order one (a quantized linear layer) against its
+fp32 reference: a kernel may hold scales in the activations' dtype."""
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -19,7 +19,7 @@ from .. import ops
 from ..custom_op import FORWARD_METHOD_BY_PLATFORM, KERNEL_SIGNATURES, kernel_registry, op_registry_oot
 from ..platform import Platform
 from ._platform import PlatformUnderTest
-from ._tolerances import ELEMENTWISE, assert_close, torch_dtype
+from ._tolerances import ELEMENTWISE, MATMUL, assert_close, torch_dtype
 
 pytestmark = pytest.mark.ops
 
@@ -66,12 +66,33 @@ def _silu_and_mul(dtype: torch.dtype, device: str, g: torch.Generator) -> list[t
     return [(op, (torch.randn(t, 2 * d, generator=g).to(dtype),)) for d in (64, 96, 1376) for t in NUM_TOKENS]
 
 
+def _quantized_linear(dtype: torch.dtype, device: str, g: torch.Generator) -> list[tuple[Any, tuple[Any, ...]]]:
+    """Codes, scales and zeros of 4- and 8-bit weights in groups of 32 and 128 (outputs of order one)."""
+    cases = []
+    for bits, group, out_features, in_features in ((4, 32, 96, 128), (4, 128, 48, 256), (8, 32, 64, 128),
+                                                   (8, 128, 48, 256)):
+        groups = (out_features, in_features // group)
+        q = torch.randint(0, 2**bits, (out_features, in_features), generator=g, dtype=torch.uint8)
+        scale = (torch.rand(groups, generator=g) + 0.5) * (0.2 if bits == 4 else 0.01)
+        zero = torch.randn(groups, generator=g) * 0.05
+        weight = ops.QuantizedWeight(q, scale, zero, bits, group).to(device)
+        op = ops.QuantizedLinear(weight, dtype)
+        for t in NUM_TOKENS:
+            x = (torch.randn(t, in_features, generator=g) / in_features**0.5).to(dtype)
+            cases.append((op, (x,)))
+            cases.append((op, (x, torch.randn(out_features, generator=g).to(dtype))))
+    return cases
+
+
 CASES: dict[str, Callable[[torch.dtype, str, torch.Generator], list[tuple[Any, tuple[Any, ...]]]]] = {
     "rms_norm": _rms_norm,
     "layer_norm": _layer_norm,
     "rotary_embedding": _rotary,
     "silu_and_mul": _silu_and_mul,
+    "quantized_linear": _quantized_linear,
 }
+TOLERANCES = {"quantized_linear": MATMUL}
+"""Ops checked with other than ``ELEMENTWISE`` tolerances."""
 
 
 def _outputs(out: Any) -> tuple[torch.Tensor, ...]:
@@ -100,7 +121,7 @@ def _check(
             assert_close(
                 a,
                 e,
-                ELEMENTWISE[dtype_name],
+                TOLERANCES.get(op_name, ELEMENTWISE)[dtype_name],
                 f"{what} case {i} (inputs {shapes}, {dtype_name}) output {j} vs forward_native",
             )
 

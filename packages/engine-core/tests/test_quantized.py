@@ -1,0 +1,252 @@
+"""Quantized linear layers: GGUF's Q4_0/Q4_1/Q8_0 blocks kept as they are (``--quantization gguf``)
+and round-to-nearest int4/int8 of a safetensors model (``--quantization int4`` / ``int8``).
+
+Each check compares the quantized path with the same quantized weights dequantized and run
+through the dense path: the block decoding exactly, one matmul per width and dtype, a tiny llama
+written as GGUF with all three formats (logits), a tiny safetensors llama quantized at load, and
+the embedded SmolLM2 file (greedy tokens and the chat answer).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from loom.layers import quantized
+from loom.layers.quantized import CpuQuantizedWeight, quantize_rtn
+from loom.model_loader import get_model
+from loom.model_loader.gguf_quant import dequantize_int4, dequantize_q8_0, split_blocks, split_int4_blocks
+from loom.transformers_utils.tokenizer import get_tokenizer
+from loom_plugin_api.custom_op import kernel_registry
+from loom_plugin_api.ops import QuantizedLinear, QuantizedWeight
+from model_utils import greedy_generate, install_quantized_kernel, make_config, run_prefill, tp_prefill_worker
+from test_gguf import QUESTION, SMOLLM2, _write_tiny_gguf, cache_root  # noqa: F401 (its module-wide LOOM_CACHE_DIR)
+
+gguf = pytest.importorskip("gguf")
+Q4 = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.fixture(autouse=True)
+def cpu_kernel():
+    """The CPU platform's quantized_linear kernel, as a worker has it; the registry restored afterwards."""
+    saved = dict(kernel_registry)
+    install_quantized_kernel()
+    yield
+    kernel_registry.clear()
+    kernel_registry.update(saved)
+
+
+def _quantized(rows: int, cols: int, qtype, seed: int = 0) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    w[0, :32] += 3.0  # a block whose minimum is far from zero (Q4_1's m)
+    return gguf.quants.quantize(w, qtype)
+
+
+def _weight(qtype, rows: int = 96, cols: int = 128) -> QuantizedWeight:
+    q, scale, zero = split_blocks(_quantized(rows, cols, qtype), qtype.name)
+    return QuantizedWeight(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero),
+                           4 if qtype in Q4 else 8, 32)
+
+
+@pytest.mark.parametrize("qtype", [*Q4, Q8_0], ids=lambda t: t.name)
+def test_blocks_decode_exactly_as_gguf_dequantizes(qtype):
+    raw = _quantized(48, 96, qtype)
+    q, scale, zero = split_blocks(raw, qtype.name)
+    assert q.shape == (48, 96) and scale.shape == zero.shape == (48, 3) and q.dtype == np.uint8
+    w = QuantizedWeight(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero),
+                        4 if qtype in Q4 else 8, 32)
+    np.testing.assert_array_equal(w.dequantize().numpy(), gguf.quants.dequantize(raw, qtype))
+    if qtype in Q4:
+        assert q.max() <= 15
+        np.testing.assert_array_equal(dequantize_int4(q, scale, zero), gguf.quants.dequantize(raw, qtype))
+    else:
+        np.testing.assert_array_equal(dequantize_q8_0(raw), gguf.quants.dequantize(raw, qtype))
+        with pytest.raises(ValueError, match="Q8_0 is not a 4-bit block format"):
+            split_int4_blocks(raw, "Q8_0")
+
+
+@pytest.mark.parametrize("qtype", [*Q4, Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 7, 64])
+def test_cpu_kernel_matches_the_dequantized_weight(qtype, dtype, rows):
+    """Few rows through the codes (int4 kernel or the C 8-bit one), many through the dense copy."""
+    weight = _weight(qtype)
+    op = QuantizedLinear(weight, dtype)
+    assert op.forward_method_name == "forward_cpu"
+    prepared = op.kernel_weight()
+    assert isinstance(prepared, CpuQuantizedWeight)
+    assert (prepared.int4 is not None) == (qtype in Q4) and (prepared.codes is not None) == (qtype == Q8_0)
+    exact = weight.dequantize()
+    dense = prepared.dense.to_dense() if prepared.dense.is_mkldnn else prepared.dense
+    assert torch.equal(dense, exact.to(dtype))  # the copy for large batches: the file's weights
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    bias = torch.randn(96).to(dtype)
+    if rows <= quantized.QUANT_MAX_ROWS:
+        assert prepared.few_rows(x) is not None  # a kernel that reads the codes took them
+    got = op(x, bias)
+    assert got.shape == (rows, 96) and got.dtype == dtype
+    want = x.float() @ exact.t() + bias.float()
+    atol = 8e-3 * float(want.abs().max())  # bf16 rounds the inputs and the output: relative to the output's scale
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    elif prepared.int4 is not None and rows <= quantized.QUANT_MAX_ROWS:
+        # the int4 kernel holds scales and zeros in bf16 (within bf16 rounding of the file's)
+        sz = prepared.int4[1].float()  # (groups, out, 2)
+        groups = torch.arange(128) // 32
+        held = (weight.qweight.float() - 8) * sz[groups, :, 0].t() + sz[groups, :, 1].t()
+        torch.testing.assert_close(held, exact, atol=2e-2, rtol=8e-3)
+        torch.testing.assert_close(got.float(), x.float() @ held.t() + bias.float(), atol=atol, rtol=8e-3)
+    else:  # exact weights in fp32 (8-bit kernel) or rounded once to bf16 (dense copy), output rounded to bf16
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=8e-3)
+        torch.testing.assert_close(got.float(), op.forward_native(x, bias).float(), atol=atol, rtol=8e-3)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_round_to_nearest_is_within_half_a_step(bits, group_size):
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(bits)) * 0.05
+    w[3, :group_size] = 0.25  # a constant group
+    q, scale, zero = quantize_rtn(w, bits, group_size)
+    assert q.dtype == torch.uint8 and scale.shape == zero.shape == (64, 256 // group_size)
+    assert int(q.max()) <= 2**bits - 1 and (bits == 4 or int(q.min()) >= 1)
+    deq = QuantizedWeight(q, scale, zero, bits, group_size).dequantize()
+    step = scale.repeat_interleave(group_size, dim=1)
+    assert ((deq - w).abs() <= step / 2 + 1e-6).all()
+    torch.testing.assert_close(deq[3, :group_size], w[3, :group_size], atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_rtn(w[:, :100], bits, group_size)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=3 + 259, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         initializer_range=0.2, rope_theta=1000.0, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).float().eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_hf, tmp_path_factory):
+    """The tiny llama with attention in Q4_0, gate/up in Q4_1, down and the LM head in Q8_0
+    (the embedding F32)."""
+    path = str(tmp_path_factory.mktemp("tiny_q") / "tiny-q.gguf")
+
+    def quant(name: str):
+        if name == "output.weight":
+            return Q8_0
+        if not name.startswith("blk."):
+            return None
+        return Q4[0] if ".attn_" in name else Q8_0 if "ffn_down" in name else Q4[1]
+
+    _write_tiny_gguf(path, tiny_hf, quant=quant)
+    return path
+
+
+def _assert_same_state(packed, dense) -> None:
+    """Quantized layers show their dense weights; no code/scale parameter is left behind."""
+    assert not any(name.endswith(("qweight", "qscale", "qzero")) for name, _ in packed.named_parameters())
+    dense_state, packed_state = dense.state_dict(), packed.state_dict()
+    assert set(packed_state) == set(dense_state)
+    for name, tensor in dense_state.items():
+        torch.testing.assert_close(packed_state[name].float(), tensor.float(), atol=0, rtol=0, msg=name)
+
+
+def _quantized_layers(model) -> dict[str, int]:
+    return {name: m.weight.weight.bits for name, m in model.named_modules()
+            if isinstance(getattr(m, "weight", None), QuantizedLinear)}
+
+
+@pytest.mark.parametrize("max_rows", [10**6, 0], ids=["codes", "dense copy"])
+def test_tiny_gguf_logits_match_dequantized(tiny_gguf, monkeypatch, max_rows):
+    """Through the codes' kernels (every batch size), then through the layers' dense copies."""
+    monkeypatch.setattr(quantized, "QUANT_MAX_ROWS", max_rows)
+    dense = get_model(make_config(tiny_gguf, quantization="none"))
+    packed = get_model(make_config(tiny_gguf, quantization="gguf"))
+    layers = _quantized_layers(packed)
+    assert sorted(layers.values()) == [4] * 6 + [8] * 2  # qkv, o, gate_up (4-bit) and down (8-bit) per layer
+    head = packed.logits_processor.quantized_head
+    assert head is not None and head.weight.bits == 8 and head.weight.shape == tuple(packed.lm_head.weight.shape)
+    _assert_same_state(packed, dense)
+    prompts = [[5, 17, 200, 3, 42, 261, 0], list(range(100, 140))]
+    with torch.inference_mode():
+        for got, want in zip(run_prefill(packed, prompts), run_prefill(dense, prompts)):
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        assert greedy_generate(packed, prompts[0], 8) == greedy_generate(dense, prompts[0], 8)
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_2_matches_one_rank(tiny_gguf, tmp_path):
+    """Two gloo ranks slice the quantized parameters as they slice dense weights: the same logits.
+    Per rank, o_proj's input is 32 wide (quantized) and down_proj's 48 (not whole groups: dense).
+    Four rows in the step, so the kernels that read the codes (not the dense copies) compute them."""
+    prompts = [[5, 17], [200, 3]]
+    out = tmp_path / "tp_logits.pt"
+    torch.multiprocessing.spawn(tp_prefill_worker, args=(2, str(tmp_path / "init"), [tiny_gguf], prompts, str(out),
+                                                         {"quantization": "gguf"}), nprocs=2, join=True)
+    one = get_model(make_config(tiny_gguf, quantization="gguf"))
+    results = torch.load(out)
+    assert results[tiny_gguf + ":quantized layers"] == 2 * 3  # qkv, o and gate_up per layer
+    for got, want in zip(results[tiny_gguf], run_prefill(one, prompts)):
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_safetensors(tiny_hf, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_st")
+    tiny_hf.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_round_to_nearest_at_load_matches_its_dequantized_weights(tiny_safetensors, bits, group_size):
+    """``--quantization int4/int8``: every linear layer whose input is whole groups is quantized,
+    and the logits are those of the dense model given the quantized weights' values."""
+    config = make_config(tiny_safetensors, quantization=f"int{bits}", quantization_group_size=group_size)
+    packed = get_model(config)
+    dense = get_model(make_config(tiny_safetensors))
+    layers = _quantized_layers(packed)
+    expected = 8 if group_size == 32 else 6  # down_proj's input (96) is not whole groups of 64
+    assert len(layers) == expected and set(layers.values()) == {bits}
+    for name in layers:  # the dense model given the quantized values (a plain weight: F.linear)
+        deq = packed.get_submodule(name).weight.weight.dequantize()
+        dense.get_submodule(name).weight = torch.nn.Parameter(deq, requires_grad=False)
+    prompts = [[5, 17, 200], [42, 7]]
+    with torch.inference_mode():
+        for got, want in zip(run_prefill(packed, prompts), run_prefill(dense, prompts)):
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_quantization_choices_are_checked(tiny_gguf, tiny_safetensors):
+    with pytest.raises(ValueError, match="--quantization gguf keeps a GGUF file's blocks"):
+        make_config(tiny_safetensors, quantization="gguf")
+    with pytest.raises(ValueError, match="--quantization int4 quantizes a safetensors checkpoint"):
+        make_config(tiny_gguf, quantization="int4")
+    with pytest.raises(ValueError, match="--quantization-group-size must be one of"):
+        make_config(tiny_safetensors, quantization="int8", quantization_group_size=48)
+    assert make_config(tiny_safetensors, dtype="bfloat16").model_config.quantization == "none"
+
+
+def test_auto_keeps_blocks_only_in_bfloat16(tiny_gguf):
+    assert make_config(tiny_gguf, dtype="float32").model_config.quantization == "none"
+    assert make_config(tiny_gguf, dtype="bfloat16").model_config.quantization == "gguf"
+    assert make_config(tiny_gguf, dtype="bfloat16", quantization="none").model_config.quantization == "none"
+
+
+def test_default_model_quantized_greedy_matches_dequantized():
+    """SmolLM2's Q4_1 linears kept quantized against the same file dequantized, in fp32 (where
+    the two paths differ only in summation order): the same 32 greedy tokens."""
+    config = make_config(SMOLLM2, quantization="gguf")
+    dense, packed = get_model(make_config(SMOLLM2, quantization="none")), get_model(config)
+    assert len(_quantized_layers(packed)) == 30 * 4
+    tok = get_tokenizer(config.model_config)
+    text = tok.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
+    prompt = tok(text)["input_ids"]
+    with torch.inference_mode():
+        got = greedy_generate(packed, prompt, 32)
+        assert got == greedy_generate(dense, prompt, 32)
+    assert "Paris" in tok.decode(got)

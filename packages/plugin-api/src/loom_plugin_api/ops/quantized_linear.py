@@ -1,0 +1,125 @@
+"""``QuantizedLinear``: a weight-only quantized matmul, and ``QuantizedWeight``, the weights' form.
+
+Quantized checkpoints (GGUF's Q4_0 / Q4_1 / Q8_0) and round-to-nearest quantization at load
+(``--quantization int4`` / ``int8``) all reach a platform in one vendor-neutral form,
+:class:`QuantizedWeight`: unsigned codes, one scale and one zero per group of ``group_size``
+weights along the input dimension. A weight is ``(q - 2**(bits - 1)) * scale + zero``.
+
+A platform supplies the kernel (``CustomOp.register_kernel("quantized_linear", fn)``, called
+``fn(x, weight, bias)``). Packing the codes into the kernel's own layout happens once, at load:
+a kernel that has a ``prepare`` attribute gets ``fn.prepare(weight, dtype)``'s result as its
+``weight`` on every call instead of the :class:`QuantizedWeight` (``dtype`` is the model's
+compute dtype). Without a kernel, ``forward_native`` dequantizes and multiplies in plain torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..custom_op import CustomOp
+
+__all__ = ["QUANTIZED_BITS", "QuantizedLinear", "QuantizedWeight"]
+
+QUANTIZED_BITS = (4, 8)
+"""Code widths a :class:`QuantizedWeight` may have."""
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """An ``(out, in)`` weight as group-wise codes.
+
+    ``w[o, i] = (qweight[o, i] - 2**(bits - 1)) * scale[o, i // group_size] + zero[o, i // group_size]``
+
+    - ``qweight``: uint8 ``(out, in)``, codes ``0 .. 2**bits - 1`` (one per byte; a kernel packs
+      them as it likes in ``prepare``);
+    - ``scale``, ``zero``: float32 ``(out, in // group_size)``;
+    - ``bits``: 4 or 8; ``group_size``: weights per scale, a divisor of ``in``.
+    """
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in QUANTIZED_BITS:
+            raise ValueError(f"QuantizedWeight.bits must be one of {QUANTIZED_BITS}, got {self.bits}")
+        if self.qweight.dtype != torch.uint8 or self.qweight.dim() != 2:
+            raise ValueError(f"QuantizedWeight.qweight must be a 2-D uint8 tensor (out, in), got "
+                             f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
+        out_features, in_features = self.qweight.shape
+        if self.group_size <= 0 or in_features % self.group_size:
+            raise ValueError(f"QuantizedWeight.group_size {self.group_size} must divide the input width "
+                             f"{in_features}")
+        groups = (out_features, in_features // self.group_size)
+        for name in ("scale", "zero"):
+            t = getattr(self, name)
+            if t.dtype != torch.float32 or tuple(t.shape) != groups:
+                raise ValueError(f"QuantizedWeight.{name} must be float32 {groups}, got {t.dtype} {tuple(t.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out, in)``."""
+        return tuple(self.qweight.shape)  # type: ignore[return-value]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``(out, in)`` weights, computed in fp32 and returned in ``dtype``."""
+        out_features, in_features = self.shape
+        codes = self.qweight.view(out_features, in_features // self.group_size, self.group_size).float()
+        w = (codes - 2 ** (self.bits - 1)) * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)
+        return w.view(out_features, in_features).to(dtype)
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """The same weight with its tensors on ``device``."""
+        return QuantizedWeight(self.qweight.to(device), self.scale.to(device), self.zero.to(device),
+                               self.bits, self.group_size)
+
+
+@CustomOp.register("quantized_linear")
+class QuantizedLinear(CustomOp):
+    """``x @ weight.dequantize().T + bias`` for a :class:`QuantizedWeight`, in ``x``'s dtype.
+
+    Built once per layer after its weights are loaded: ``QuantizedLinear(weight, dtype)``, then
+    ``forward(x, bias=None)``. ``dtype`` is the activations' dtype (float32, bfloat16 or float16).
+    """
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = weight
+        self.dtype = dtype
+        self._prepared: Any = None
+        if self.forward_method_name != "forward_native":  # the kernel's layout, made once, at load
+            self.kernel_weight()
+
+    def forward_native(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weight.dequantize(torch.float32).to(x.device)
+        out = F.linear(x.float(), w, None if bias is None else bias.float())
+        return out.to(x.dtype)
+
+    def forward_cuda(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._forward_kernel(x, bias)
+
+    def forward_cpu(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._forward_kernel(x, bias)
+
+    def kernel_weight(self) -> Any:
+        """What the installed kernel takes as ``weight``: its ``prepare`` result, made on first use."""
+        if self._prepared is None:
+            kernel = CustomOp.get_kernel("quantized_linear")
+            prepare = getattr(kernel, "prepare", None)
+            self._prepared = self.weight if prepare is None else prepare(self.weight, self.dtype)
+        return self._prepared
+
+    def _forward_kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The platform's installed ``quantized_linear`` kernel, else ``forward_native``."""
+        kernel = CustomOp.get_kernel("quantized_linear")
+        return self.forward_native(x, bias) if kernel is None else kernel(x, self.kernel_weight(), bias)
+
+    def extra_repr(self) -> str:
+        out_features, in_features = self.weight.shape
+        return f"in={in_features}, out={out_features}, bits={self.weight.bits}, group_size={self.weight.group_size}"
