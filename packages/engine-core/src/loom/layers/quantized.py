@@ -44,6 +44,8 @@ QUANT_MAX_ROWS = 4
 """Rows (tokens) up to which a step multiplies through the codes; more use the dense copy."""
 QPARAMS = ("qweight", "qscale", "qzero")
 _INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 packing takes
+# the overload itself: calling it skips the packet's overload resolution, a few us of a decode step's 120 calls
+_INT4_MM = getattr(getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None), "default", None)
 
 
 def int4_available() -> bool:
@@ -176,10 +178,9 @@ class CpuQuantizedWeight:
         """``x @ W.T`` through the codes, or None where no kernel here takes them."""
         if self.int4 is not None:
             packed, scales_and_zeros = self.int4
-            rows = x.reshape(-1, self.shape[1])
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, self.group_size,
-                                                             scales_and_zeros)
-            return out.view(*x.shape[:-1], self.shape[0])
+            rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.shape[1]).contiguous()
+            out = _INT4_MM(rows, packed, self.group_size, scales_and_zeros)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.shape[0])
         if self.codes is not None:
             # here, not at the top: the platform module imports the kernels' build machinery
             from ..platforms.cpu_kernels import kernels

@@ -9,7 +9,8 @@
  * RMSNorm and rotary loops are plain C that the compiler vectorizes (`omp simd`); SiLU-and-mul
  * is written with explicit vectors, because GCC if-converts the scalar exp's clamp into several
  * masked divisions per lane, some of them computing denormals (ten times slower than torch).
- * Rows are split across OpenMP threads, on torch's own pool (libgomp resolves to the copy torch
+ * Rows are split across OpenMP threads (one row, as in decoding one stream, runs on the calling
+ * thread: waking the pool costs more than the row), on torch's own pool (libgomp resolves to the copy torch
  * loaded).
  *
  * Every row argument is (rows, row stride) with unit stride inside a row.
@@ -95,7 +96,7 @@ int rms_norm_##NAME(const T *x, int64_t xs, const T *res, int64_t rs, const T *w
                     int64_t os, T *res_out, int64_t ros, int64_t rows, int64_t n, float eps,       \
                     int nthreads) {                                                                \
     if (n > 16384) return 2;                                                                          \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                             \
+    _Pragma("omp parallel for if(rows > 1) num_threads(nthreads) schedule(static)")                             \
     for (int64_t t = 0; t < rows; t++) {                                                           \
         float s[n];                                                                                \
         const T *xr = x + t * xs;                                                                  \
@@ -128,7 +129,7 @@ int rms_norm_##NAME(const T *x, int64_t xs, const T *res, int64_t rs, const T *w
 /* out[t, i] = silu(x[t, i]) rounded, times x[t, d + i], rounded */                                \
 int silu_and_mul_##NAME(const T *x, int64_t xs, T *out, int64_t os, int64_t rows, int64_t d,      \
                         int nthreads) {                                                            \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                             \
+    _Pragma("omp parallel for if(rows > 1) num_threads(nthreads) schedule(static)")                             \
     for (int64_t t = 0; t < rows; t++) {                                                           \
         const T *g = x + t * xs, *u = g + d;                                                       \
         T *o = out + t * os;                                                                       \
@@ -156,7 +157,7 @@ int rotary_##NAME(const int64_t *pos, T *q, int64_t qs, int64_t hq, T *k, int64_
                   int64_t rot, int neox, int nthreads) {                                           \
     int bad = 0;                                                                                   \
     const int64_t half = rot / 2;                                                                  \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(static)")                             \
+    _Pragma("omp parallel for if(rows > 1) num_threads(nthreads) schedule(static)")                             \
     for (int64_t t = 0; t < rows; t++) {                                                           \
         const int64_t p = pos[t];                                                                  \
         if (p < 0 || p >= max_pos) { _Pragma("omp atomic write") bad = 1; continue; }              \

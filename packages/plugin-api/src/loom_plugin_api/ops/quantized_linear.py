@@ -92,6 +92,7 @@ class QuantizedLinear(CustomOp):
         super().__init__()
         self.weight = weight
         self.dtype = dtype
+        self._kernel: Any = None
         self._prepared: Any = None
         if self.forward_method_name != "forward_native":  # the kernel's layout, made once, at load
             self.kernel_weight()
@@ -108,17 +109,25 @@ class QuantizedLinear(CustomOp):
         return self._forward_kernel(x, bias)
 
     def kernel_weight(self) -> Any:
-        """What the installed kernel takes as ``weight``: its ``prepare`` result, made on first use."""
-        if self._prepared is None:
+        """What the installed kernel takes as ``weight``: its ``prepare`` result, made on first use
+        (the layer keeps that kernel: the layout is the kernel's own)."""
+        if self._kernel is None:
             kernel = CustomOp.get_kernel("quantized_linear")
+            if kernel is None:
+                return self.weight
             prepare = getattr(kernel, "prepare", None)
             self._prepared = self.weight if prepare is None else prepare(self.weight, self.dtype)
+            self._kernel = kernel
         return self._prepared
 
     def _forward_kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The platform's installed ``quantized_linear`` kernel, else ``forward_native``."""
-        kernel = CustomOp.get_kernel("quantized_linear")
-        return self.forward_native(x, bias) if kernel is None else kernel(x, self.kernel_weight(), bias)
+        """The platform's ``quantized_linear`` kernel (the one installed when the layout was made),
+        else ``forward_native``."""
+        if self._kernel is None:
+            self.kernel_weight()
+            if self._kernel is None:  # none installed
+                return self.forward_native(x, bias)
+        return self._kernel(x, self._prepared, bias)
 
     def extra_repr(self) -> str:
         out_features, in_features = self.weight.shape
