@@ -228,3 +228,144 @@ def test_q8_linear_does_not_depend_on_the_thread_count(k):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+def _q4_weight(n, kdim, group, seed, dtype=torch.float32):
+    """Random 4-bit codes, positive scales and small zeros, and their packing for ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, kdim), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, kdim // group, generator=g) * 0.2 + 1e-2
+    zero = torch.randn(n, kdim // group, generator=g) * 0.1
+    return q, scale, zero, cpu_kernels.pack_q4(q, scale, zero, dtype)
+
+
+def _q4_reference(x, q, scale, zero, group):
+    """fp32 weight, x's dtype's scales: bf16 activations take bf16-rounded scales and zeros (as
+    torch's int4 kernel, which takes them in the activations' dtype)."""
+    if x.dtype == torch.bfloat16:
+        scale, zero = scale.bfloat16().float(), zero.bfloat16().float()
+    n, kdim = q.shape
+    w = ((q.float() - 8).view(n, kdim // group, group) * scale[..., None] + zero[..., None]).view(n, kdim)
+    return F.linear(x.float(), w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kdim", [32, 64, 96, 576, 1536])  # a lone 32-code chunk, whole chunks, both
+def test_pack_q4_round_trips(kdim, dtype):
+    g = torch.Generator().manual_seed(kdim)
+    q = torch.randint(0, 16, (7, kdim), generator=g, dtype=torch.uint8)
+    scale, zero = torch.rand(7, kdim // 32, generator=g) + 0.01, torch.randn(7, kdim // 32, generator=g)
+    packed = cpu_kernels.pack_q4(q, scale, zero, dtype)
+    assert (packed.n, packed.k, packed.group_size, packed.dtype) == (7, kdim, 32, dtype)
+    assert packed.codes.shape == (7, kdim // 2) and packed.codes.dtype == torch.uint8 and packed.codes.is_contiguous()
+    q2, scale2, zero2 = cpu_kernels.unpack_q4(packed)
+    assert torch.equal(q2, q)
+    assert torch.equal(packed.codes[:, :32] & 15, q[:, :32]) if kdim >= 64 else True  # byte m's low nibble: c[m]
+    if dtype == torch.float32:
+        assert packed.scale_zero is None and torch.equal(scale2, scale) and torch.equal(zero2, zero)
+    else:  # bf16 pairs, scale in the low half
+        assert packed.scale is None and packed.zero is None
+        assert packed.scale_zero.shape == (7, kdim // 32) and packed.scale_zero.dtype == torch.int32
+        assert torch.equal(scale2, scale.bfloat16().float()) and torch.equal(zero2, zero.bfloat16().float())
+        assert torch.equal((packed.scale_zero & 0xFFFF).to(torch.int16), scale.bfloat16().view(torch.int16))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernels.pack_q4(q[:, :kdim - 16], scale, zero, dtype)
+
+
+def test_pack_q4_refuses_inconsistent_weights():
+    q, scale, zero, _ = _q4_weight(8, 96, 32, seed=0)
+    with pytest.raises(ValueError, match="scale and zero"):
+        cpu_kernels.pack_q4(q, scale[:, :2], zero[:, :2], torch.float32)  # groups of 48
+    with pytest.raises(ValueError, match="scale and zero"):
+        cpu_kernels.pack_q4(q, scale, zero[:, :1], torch.float32)
+    with pytest.raises(ValueError, match="scale and zero"):
+        cpu_kernels.pack_q4(q, scale[:4], zero[:4], torch.float32)  # fewer outputs
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_kernels.pack_q4(q, scale, zero, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("kdim", [64, 576, 1536])
+@pytest.mark.parametrize("n", [16, 100, 576, 960])  # whole tiles, a tail, model widths
+def test_q4_linear_matches_the_dequantized_weight(k, dtype, rows, group, kdim, n):
+    if kdim % group:
+        return  # 64 inputs cannot hold groups of 128 (pack_q4 refuses them)
+    q, scale, zero, packed = _q4_weight(n, kdim, group, seed=rows + kdim + n, dtype=dtype)
+    g = torch.Generator().manual_seed(group)
+    wide = torch.randn(rows, kdim + 24, generator=g).to(dtype)
+    x = wide[:, 8:8 + kdim]  # strided rows, like a split
+    got = k.q4_linear(x, packed)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    _q8_close(got, _q4_reference(x, q, scale, zero, group), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kdim,group", [(96, 32), (160, 32), (192, 96), (288, 96), (256, 64), (384, 192)])
+def test_q4_linear_odd_chunks_and_other_groups(k, dtype, kdim, group):
+    """A last chunk of 32 codes, groups that end mid-chunk, group sizes the kernel has no literal for."""
+    q, scale, zero, packed = _q4_weight(37, kdim, group, seed=kdim + group, dtype=dtype)
+    for rows in (1, 3, 6):
+        x = torch.randn(rows, kdim).to(dtype)
+        _q8_close(k.q4_linear(x, packed), _q4_reference(x, q, scale, zero, group), dtype)
+
+
+def test_q4_linear_bf16_uses_exactly_the_bf16_rounded_scales(k):
+    """Against the bf16-rounded weight the bf16 kernel is as close as the sums' order and the
+    output's rounding allow; against the unrounded one it is not (the scales' rounding shows)."""
+    q, scale, zero, packed = _q4_weight(256, 1536, 32, seed=5, dtype=torch.bfloat16)
+    x = torch.randn(1, 1536).bfloat16()
+    got = k.q4_linear(x, packed).float()
+    want = _q4_reference(x, q, scale, zero, 32)
+    torch.testing.assert_close(got, want.bfloat16().float(), rtol=8e-3, atol=1e-3 * want.abs().max().item())
+    n, kdim = q.shape
+    exact = F.linear(x.float(), ((q.float() - 8).view(n, 48, 32) * scale[..., None] + zero[..., None]).view(n, kdim))
+    assert (got - want).abs().max() < (got - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_q4_linear_keeps_leading_dims(k, dtype):
+    q, scale, zero, packed = _q4_weight(40, 128, 32, seed=1, dtype=dtype)
+    x = torch.randn(2, 1, 128).to(dtype)
+    got = k.q4_linear(x, packed)
+    assert got.shape == (2, 1, 40) and got.dtype == dtype
+    _q8_close(got, _q4_reference(x, q, scale, zero, 32), dtype)
+    x1 = torch.randn(128).to(dtype)  # one row, no leading dims
+    got1 = k.q4_linear(x1, packed)
+    assert got1.shape == (40,)
+    _q8_close(got1, _q4_reference(x1, q, scale, zero, 32), dtype)
+    xt = torch.randn(128, 3).to(dtype).t()  # rows with a non-unit inner stride: copied
+    _q8_close(k.q4_linear(xt, packed), _q4_reference(xt, q, scale, zero, 32), dtype)
+
+
+def test_q4_linear_refuses_what_it_cannot_take(k):
+    q, scale, zero, packed = _q4_weight(32, 64, 32, seed=2)
+    x = torch.randn(3, 64)
+    assert k.q4_linear(torch.randn(9, 64), packed) is None  # prefill: a GEMM's job
+    assert k.q4_linear(torch.randn(3, 3, 64), packed) is None  # 9 rows through leading dims
+    assert k.q4_linear(x.half(), packed) is None  # not a kernel dtype
+    assert k.q4_linear(x.bfloat16(), packed) is None  # packed for float32 activations
+    assert k.q4_linear(x, cpu_kernels.pack_q4(q, scale, zero, torch.bfloat16)) is None  # and the other way
+    assert k.q4_linear(x, cpu_kernels.pack_q4(q, scale[:, :1], zero[:, :1], torch.float32)) is not None  # one group
+    assert k.q4_linear(torch.randn(3, 48), packed) is None  # width mismatch
+    assert k.q4_linear(torch.randn(3, 128), packed) is None
+    assert k.q4_linear(torch.tensor(1.0), packed) is None  # a scalar
+    assert k.q4_linear(torch.randn(0, 64), packed).shape == (0, 32)  # no rows: an empty result
+
+
+def test_q4_linear_does_not_depend_on_the_thread_count(k):
+    """Each output is one thread's, in slices of whole tiles: 1 and 2 threads agree bit for bit."""
+    before = torch.get_num_threads()
+    try:
+        for dtype in DTYPES:
+            packed = _q4_weight(1003, 576, 32, seed=3, dtype=dtype)[3]  # an odd width: a tail on the last slice
+            for rows in (1, 3):
+                x = torch.randn(rows, 576).to(dtype)
+                torch.set_num_threads(1)
+                one = k.q4_linear(x, packed)
+                torch.set_num_threads(2)
+                two = k.q4_linear(x, packed)
+                assert torch.equal(one, two)
+    finally:
+        torch.set_num_threads(before)

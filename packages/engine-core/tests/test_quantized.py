@@ -16,6 +16,7 @@ from loom.layers import quantized
 from loom.layers.quantized import CpuQuantizedWeight, cpu_quantized_linear, quantize_rtn
 from loom.model_loader import get_model
 from loom.model_loader.gguf_quant import dequantize_int4, dequantize_q8_0, split_blocks, split_int4_blocks
+from loom.platforms.cpu_kernels import unpack_q4
 from loom.transformers_utils.tokenizer import get_tokenizer
 from loom_plugin_api.custom_op import kernel_registry
 from loom_plugin_api.ops import QuantizedLinear, QuantizedWeight
@@ -74,7 +75,7 @@ def test_cpu_kernel_matches_the_dequantized_weight(qtype, dtype, rows):
     weight = _weight(qtype)
     prepared = cpu_quantized_linear.prepare(weight, dtype)  # the CPU platform's kernel, whichever platform runs
     assert isinstance(prepared, CpuQuantizedWeight)
-    assert (prepared.int4 is not None) == (qtype in Q4) and (prepared.codes is not None) == (qtype == Q8_0)
+    assert (prepared.q4 is not None) == (qtype in Q4) and (prepared.codes is not None) == (qtype == Q8_0)
     exact = weight.dequantize()
     dense = prepared.dense.to_dense() if prepared.dense.is_mkldnn else prepared.dense
     assert torch.equal(dense, exact.to(dtype))  # the copy for large batches: the file's weights
@@ -88,11 +89,11 @@ def test_cpu_kernel_matches_the_dequantized_weight(qtype, dtype, rows):
     atol = 8e-3 * float(want.abs().max())  # bf16 rounds the inputs and the output: relative to the output's scale
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
-    elif prepared.int4 is not None and rows <= quantized.QUANT_MAX_ROWS:
-        # the int4 kernel holds scales and zeros in bf16 (within bf16 rounding of the file's)
-        sz = prepared.int4[1].float()  # (groups, out, 2)
-        groups = torch.arange(128) // 32
-        held = (weight.qweight.float() - 8) * sz[groups, :, 0].t() + sz[groups, :, 1].t()
+    elif prepared.q4 is not None and rows <= quantized.QUANT_MAX_ROWS:
+        # the 4-bit kernel holds scales and zeros in bf16 (within bf16 rounding of the file's)
+        q, scale, zero = unpack_q4(prepared.q4)
+        assert torch.equal(q, weight.qweight)
+        held = QuantizedWeight(q, scale, zero, 4, 32).dequantize()
         torch.testing.assert_close(held, exact, atol=2e-2, rtol=8e-3)
         torch.testing.assert_close(got.float(), x.float() @ held.t() + bias.float(), atol=atol, rtol=8e-3)
     else:  # exact weights in fp32 (8-bit kernel) or rounded once to bf16 (dense copy), output rounded to bf16

@@ -15,19 +15,22 @@ weight (round to nearest). :func:`finish_quantized` then builds the op.
 The CPU platform's kernel (:func:`cpu_quantized_linear`, installed by ``CpuPlatform``) keeps
 two layouts of the same weights (:class:`CpuQuantizedWeight`). Decoding a few streams is bound
 by reading the weights, so up to ``QUANT_MAX_ROWS`` rows multiply through a kernel that reads
-the codes: torch's int4 matmul (``_weight_int4pack_mm_for_cpu``, 4-bit) or the C 8-bit kernel
-(``cpu_kernels.c``, 8-bit). Both dequantize per row, so from a handful of rows on they fall far
-behind a GEMM (int4 measured here: equal at 2 rows, 10x slower at 64): larger batches (prefill,
+the codes: the C 4-bit and 8-bit kernels (``cpu_kernels.c``; torch's int4 matmul,
+``_weight_int4pack_mm_for_cpu``, where they cannot be built). They dequantize per row, so from a
+handful of rows on they fall far behind a GEMM (torch's int4 measured: equal at 2 rows, 10x slower
+at 64): larger batches (prefill,
 many streams) multiply through a dense copy of the exact dequantized weights in the compute
 dtype, prepacked for oneDNN like any CPU linear. Memory: the codes (0.56 bytes per weight at 4
 bits with scales, 1.06 at 8) plus the dense copy (2 bytes in bf16).
 
-In fp32 the int4 kernel computes with the exact weights; in bf16 its scales and zeros are held
-in bf16 (it takes them in the activations' dtype), so its weights are exact to within bf16
-rounding of the scale and zero. The 8-bit kernel keeps them in fp32.
+In fp32 the 4-bit kernels compute with the exact weights; in bf16 they hold scales and zeros in
+bf16 (a fifth of the bytes a step reads at groups of 32), so their weights are exact to within
+bf16 rounding of the scale and zero. The 8-bit kernel keeps them in fp32.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -132,17 +135,27 @@ def finish_quantized(layer: nn.Module, bits: int, dtype: torch.dtype) -> None:
 
 
 class CpuQuantizedWeight:
-    """The CPU kernel's layouts of a ``QuantizedWeight``: the codes for a few rows (torch's int4
-    layout, or the 8-bit codes as they are) and ``dense``, the dequantized weights in the compute
-    dtype (oneDNN-packed where enabled), for batches."""
+    """The CPU kernel's layouts of a ``QuantizedWeight``: the codes for a few rows and ``dense``,
+    the dequantized weights in the compute dtype (oneDNN-packed where enabled), for batches.
+
+    The codes: 4-bit ones packed for the C kernel (``cpu_kernels.pack_q4``: two codes a byte,
+    scale and zero as bf16 pairs for bf16 activations), else torch's int4 layout where the C
+    kernels are unavailable; 8-bit ones as they are, for the C 8-bit kernel."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        # here, not at the top: the platform module imports the kernels' build machinery
+        from ..platforms.cpu_kernels import kernels, pack_q4
+
         self.shape = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
         out_features, in_features = self.shape
+        self.q4: Any = None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
         self.codes: QuantizedWeight | None = None
-        if weight.bits == 4 and weight.group_size in _INT4_GROUPS and out_features % 16 == 0 and int4_available():
+        if (weight.bits == 4 and weight.group_size % 32 == 0 and dtype in (torch.float32, torch.bfloat16)
+                and kernels() is not None):
+            self.q4 = pack_q4(weight.qweight, weight.scale, weight.zero, dtype)
+        elif weight.bits == 4 and weight.group_size in _INT4_GROUPS and out_features % 16 == 0 and int4_available():
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.qweight.to(torch.int32).contiguous(), 1)
             # (in / group, out, 2): per group and output, the scale and the zero, in the activations' dtype
             scales_and_zeros = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).to(dtype).contiguous()
@@ -168,6 +181,10 @@ class CpuQuantizedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes the few-rows kernel reads per call (codes, scales and zeros); the dense copy's without one."""
+        if self.q4 is not None:
+            parts = (self.q4.codes, self.q4.scale_zero) if self.q4.scale_zero is not None else \
+                (self.q4.codes, self.q4.scale, self.q4.zero)
+            return sum(t.numel() * t.element_size() for t in parts)
         if self.int4 is not None:
             return sum(t.numel() * t.element_size() for t in self.int4)
         if self.codes is not None:
@@ -176,6 +193,10 @@ class CpuQuantizedWeight:
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ W.T`` through the codes, or None where no kernel here takes them."""
+        if self.q4 is not None:
+            from ..platforms.cpu_kernels import kernels  # here, not at the top: as in __init__
+
+            return kernels().q4_linear(x, self.q4)
         if self.int4 is not None:
             packed, scales_and_zeros = self.int4
             rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.shape[1]).contiguous()

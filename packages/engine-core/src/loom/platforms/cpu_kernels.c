@@ -340,3 +340,383 @@ int q8_linear_##NAME(const T *x, int64_t xs, const uint8_t *q, const float *scal
 
 DEFINE_Q8(f32, float)
 DEFINE_Q8(bf16, bf16_t)
+
+/* ---- Weight-only 4-bit group-wise quantized matmul for a few rows (decode) ----
+ *
+ * out[r, o] = sum_i x[r, i] * ((q[o, i] - 8) * scale[o, i / G] + zero[o, i / G]), fp32 sums.
+ * q in 0..15, packed two to a byte (CpuKernels.pack_q4): a row of K codes is K / 2 bytes in
+ * chunks of 64 codes, 32 bytes each, byte m = c[m] | c[32 + m] << 4 (GGUF's Q4 blocks, twice as
+ * long); when K % 64 == 32 the row ends in a chunk of 32 codes, 16 bytes, byte m = c[m] |
+ * c[16 + m] << 4. scale and zero float32 (N, K / G); G a multiple of 32 dividing K.
+ *
+ * Sums are taken per group with the scale outside: out = sum_g s_g * sum_{i in g} x_i (q_i - 8)
+ * + sum_g z_g * X_g, X_g = sum_{i in g} x_i (summed once per call for all outputs), so a vector
+ * of codes costs one FMA per row and the group one more; the zero term is a dot of the output's
+ * zeros with the X_g, sixteen groups a vector, added once per output.
+ *
+ * With AVX-512 BF16 a bf16 x is multiplied as it is: a chunk's 32 bytes are widened to 16-bit
+ * lanes (vpmovzxbw), the low nibbles looked up (vpermw, which reads an index's low 5 bits, in a
+ * table of bf16 (q - 8) held twice) and the high ones after a shift, giving 64 codes in order as
+ * two vectors of 32 bf16, each one vdpbf16ps per row: products of bf16 and small integers are
+ * exact, summed in fp32. An f32 x (or bf16 without AVX512_BF16) takes 16 codes a vector widened
+ * to ints (vpmovzxbd, and/shift), converted and FMAed; targets without AVX-512 plain C loops. */
+
+/* the code at i of a packed row of K codes (the layout above) */
+static inline int q4_code(const uint8_t *row, int64_t K, int64_t i) {
+    const int64_t c0 = i / 64 * 64, h = c0 + 64 <= K ? 32 : 16, p = i - c0;
+    const uint8_t b = row[c0 / 2 + p % h];
+    return p < h ? b & 15 : b >> 4;
+}
+
+/* Bytes ahead of the codes being read to prefetch (each of a tile's weight rows), and ahead of
+ * the scales and zeros (a quarter of the codes' rate with groups of 32). */
+#define Q4_PREFETCH 4096
+#define Q4_PREFETCH_SZ 1024
+
+/* the tiles take scale and zero as float (N, K / G) each (f32 x), or (bf16 x) scale as the pairs
+ * sz (N, K / G) of uint32: bf16 scale in the low half, bf16 zero in the high (zero unused) */
+typedef void (*q4_tile_fn)(const void *, int64_t, const float *, int64_t, int64_t, const uint8_t *,
+                           const void *, const void *, float *);
+
+/* a bf16 pair's scale and zero as floats: bf16 is fp32's high half */
+static inline float q4_pair_scale(uint32_t u) {
+    union { uint32_t u; float f; } v = {u << 16};
+    return v.f;
+}
+static inline float q4_pair_zero(uint32_t u) {
+    union { uint32_t u; float f; } v = {u & 0xffff0000u};
+    return v.f;
+}
+
+/* Portable tile: one output, R rows of f32 x; sums x * q per group, then as above (the zero
+ * term with (z - 8 s), the codes being 0..15). */
+#define Q4_TILE_C(NAME, R)                                                                         \
+static void NAME(const void *xv, int64_t xs, const float *X, int64_t K, int64_t G,                 \
+                 const uint8_t *q, const void *scalev, const void *zerov, float *res) {            \
+    const float *x = xv, *scale = scalev, *zero = zerov;                                           \
+    const int64_t ng = K / G;                                                                      \
+    float acc[R];                                                                                  \
+    for (int r = 0; r < R; r++) acc[r] = 0.f;                                                      \
+    for (int64_t g = 0; g < ng; g++) {                                                             \
+        float d[R];                                                                                \
+        for (int r = 0; r < R; r++) d[r] = 0.f;                                                    \
+        for (int64_t i = g * G; i < (g + 1) * G; i += 32) {                                        \
+            float c[32];                                                                           \
+            for (int m = 0; m < 32; m++) c[m] = (float)q4_code(q, K, i + m);                       \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int m = 0; m < 32; m++) d[r] += x[r * xs + i + m] * c[m];                     \
+        }                                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            acc[r] += scale[g] * d[r] + (zero[g] - 8.0f * scale[g]) * X[r * ng + g];               \
+    }                                                                                              \
+    for (int r = 0; r < R; r++) res[r] = acc[r];                                                   \
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* the zero term of OB outputs into their accumulators: acc[oo][r] += sum_g zz[oo, g] X[r, g],
+ * zz = z (MINUS8 0) or z - 8 s (MINUS8 1), sixteen groups a vector */
+#define Q4_ZERO_TERM(OB, R, MINUS8)                                                                \
+    for (int64_t g = 0; g < ng; g += 16) {                                                         \
+        const __mmask16 mk = ng - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ng - g)) - 1);  \
+        __m512 xg[R];                                                                              \
+        for (int r = 0; r < R; r++) xg[r] = _mm512_maskz_loadu_ps(mk, X + r * ng + g);             \
+        for (int oo = 0; oo < OB; oo++) {                                                          \
+            __m512 zz = MINUS8 ? _mm512_maskz_loadu_ps(mk, zero + oo * ng + g)                     \
+                               : _mm512_castsi512_ps(_mm512_and_si512(                             \
+                                     _mm512_maskz_loadu_epi32(mk, sz + oo * ng + g),               \
+                                     _mm512_set1_epi32((int)0xffff0000u)));                        \
+            if (MINUS8)                                                                            \
+                zz = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, scale + oo * ng + g),               \
+                                     _mm512_set1_ps(-8.0f), zz);                                   \
+            for (int r = 0; r < R; r++) acc[oo][r] = _mm512_fmadd_ps(zz, xg[r], acc[oo][r]);       \
+        }                                                                                          \
+    }
+
+#define Q4_PREFETCH_TILE(OB, TWO)                                                                  \
+    for (int64_t b = 0; b < OB * ng * 4; b += 64) {                                                \
+        __builtin_prefetch((const char *)scalev + b + Q4_PREFETCH_SZ);                             \
+        if (TWO) __builtin_prefetch((const char *)zerov + b + Q4_PREFETCH_SZ);                     \
+    }
+
+/* after the piece of 32 codes ending at e: whether a group ends there */
+#define Q4_GROUP_ENDS(GC, e) ((GC) == 32 ? 1 : ((e) % G) == 0)
+#define Q4_FLUSH(OB, R, S)                                                                         \
+    for (int oo = 0; oo < OB; oo++) {                                                              \
+        const __m512 s = _mm512_set1_ps(S);                                                        \
+        for (int r = 0; r < R; r++) {                                                              \
+            acc[oo][r] = _mm512_fmadd_ps(t[oo][r], s, acc[oo][r]);                                 \
+            t[oo][r] = _mm512_setzero_ps();                                                        \
+        }                                                                                          \
+    }                                                                                              \
+    g++;
+
+/* OB outputs (packed rows q, q + K / 2, ...) times R rows of f32 x (row stride xs) into
+ * res[oo * R + r]; GC the group size as a literal (0: the argument) */
+#define Q4_TILE_F(NAME, R, OB, GC)                                                                 \
+static void NAME(const void *xv, int64_t xs, const float *X, int64_t K, int64_t group,             \
+                 const uint8_t *q, const void *scalev, const void *zerov, float *res) {            \
+    const float *x = xv, *scale = scalev, *zero = zerov;                                           \
+    const uint32_t *sz = NULL;                                                                     \
+    (void)sz;                                                                                      \
+    const int64_t G = GC ? GC : group, ng = K / G, kb = K / 2;                                     \
+    const __m512i m15 = _mm512_set1_epi32(15);                                                     \
+    __m512 acc[OB][R], t[OB][R];                                                                   \
+    for (int oo = 0; oo < OB; oo++)                                                                \
+        for (int r = 0; r < R; r++) acc[oo][r] = t[oo][r] = _mm512_setzero_ps();                   \
+    Q4_PREFETCH_TILE(OB, 1)                                                                        \
+    int64_t g = 0;                                                                                 \
+    for (int64_t c = 0; c < K; c += 64) {                                                          \
+        if (c + 64 <= K) {                                                                         \
+            __m512 lo[OB][2], hi[OB][2];                                                           \
+            for (int oo = 0; oo < OB; oo++) {                                                      \
+                const uint8_t *p = q + oo * kb + c / 2;                                            \
+                if (!(c & 127)) __builtin_prefetch(p + Q4_PREFETCH);                               \
+                for (int h = 0; h < 2; h++) {                                                      \
+                    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * h))); \
+                    lo[oo][h] = _mm512_cvtepi32_ps(_mm512_and_si512(b, m15));                      \
+                    hi[oo][h] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));                       \
+                }                                                                                  \
+            }                                                                                      \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m512 x0 = _mm512_loadu_ps(x + r * xs + c), x1 = _mm512_loadu_ps(x + r * xs + c + 16); \
+                for (int oo = 0; oo < OB; oo++)                                                    \
+                    t[oo][r] = _mm512_fmadd_ps(lo[oo][1], x1, _mm512_fmadd_ps(lo[oo][0], x0, t[oo][r])); \
+            }                                                                                      \
+            if (Q4_GROUP_ENDS(GC, c + 32)) { Q4_FLUSH(OB, R, scale[oo * ng + g]) }                                     \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m512 x2 = _mm512_loadu_ps(x + r * xs + c + 32), x3 = _mm512_loadu_ps(x + r * xs + c + 48); \
+                for (int oo = 0; oo < OB; oo++)                                                    \
+                    t[oo][r] = _mm512_fmadd_ps(hi[oo][1], x3, _mm512_fmadd_ps(hi[oo][0], x2, t[oo][r])); \
+            }                                                                                      \
+            if (Q4_GROUP_ENDS(GC, c + 64)) { Q4_FLUSH(OB, R, scale[oo * ng + g]) }               \
+        } else { /* the last 32 codes */                                                           \
+            for (int oo = 0; oo < OB; oo++) {                                                      \
+                const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + oo * kb + c / 2))); \
+                const __m512 c0 = _mm512_cvtepi32_ps(_mm512_and_si512(b, m15));                    \
+                const __m512 c1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));                     \
+                for (int r = 0; r < R; r++)                                                        \
+                    t[oo][r] = _mm512_fmadd_ps(c1, _mm512_loadu_ps(x + r * xs + c + 16),           \
+                                               _mm512_fmadd_ps(c0, _mm512_loadu_ps(x + r * xs + c), t[oo][r])); \
+            }                                                                                      \
+            Q4_FLUSH(OB, R, scale[oo * ng + g])                                                    \
+        }                                                                                          \
+    }                                                                                              \
+    Q4_ZERO_TERM(OB, R, 1)                                                                         \
+    for (int oo = 0; oo < OB; oo++)                                                                \
+        for (int r = 0; r < R; r++) res[oo * R + r] = _mm512_reduce_add_ps(acc[oo][r]);            \
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
+#define Q4_BF16_DP 1
+/* bf16 (q - 8) for q = 0..15, twice: vpermw's table for an index's low 5 bits */
+static inline __m512i q4_lut(void) {
+    const __m512 f = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    return (__m512i)_mm512_cvtne2ps_pbh(f, f);
+}
+#define Q4_DP(acc, codes, xp) _mm512_dpbf16_ps(acc, (__m512bh)(codes), (__m512bh)_mm512_loadu_si512(xp))
+
+/* as Q4_TILE_F for R rows of bf16 x, multiplied by vdpbf16ps. Groups of 32 (GC 32): each half
+ * chunk is its own group, scaled as it is summed; otherwise sums run over the group's pieces. */
+#define Q4_TILE_B(NAME, R, OB, GC)                                                                 \
+static void NAME(const void *xv, int64_t xs, const float *X, int64_t K, int64_t group,             \
+                 const uint8_t *q, const void *scalev, const void *zerov, float *res) {            \
+    const bf16_t *x = xv;                                                                          \
+    const uint32_t *sz = scalev;                                                                   \
+    const float *zero = NULL, *scale = NULL;                                                       \
+    (void)zerov; (void)zero; (void)scale;                                                          \
+    const int64_t G = GC ? GC : group, ng = K / G, kb = K / 2;                                     \
+    const __m512i lut = q4_lut();                                                                  \
+    __m512 acc[OB][R], t[OB][R];                                                                   \
+    const uint8_t *qp[OB];                                                                         \
+    const uint32_t *sp[OB];                                                                        \
+    for (int oo = 0; oo < OB; oo++) {                                                              \
+        qp[oo] = q + oo * kb;                                                                      \
+        sp[oo] = sz + oo * ng;                                                                     \
+        for (int r = 0; r < R; r++) acc[oo][r] = t[oo][r] = _mm512_setzero_ps();                   \
+    }                                                                                              \
+    Q4_PREFETCH_TILE(OB, 0)                                                                        \
+    int64_t g = 0, c = 0;                                                                          \
+    for (; c + 64 <= K; c += 64) {                                                                 \
+        __m512i lo[OB], hi[OB];                                                                    \
+        for (int oo = 0; oo < OB; oo++) {                                                          \
+            const uint8_t *p = qp[oo] + c / 2;                                                     \
+            __builtin_prefetch(p + Q4_PREFETCH);                                                   \
+            const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));        \
+            lo[oo] = _mm512_permutexvar_epi16(b, lut);                                             \
+            hi[oo] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);                       \
+        }                                                                                          \
+        if (GC == 32) {                                                                            \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m512i x0 = _mm512_loadu_si512(x + r * xs + c);                             \
+                const __m512i x1 = _mm512_loadu_si512(x + r * xs + c + 32);                        \
+                for (int oo = 0; oo < OB; oo++) {                                                  \
+                    const __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo[oo], (__m512bh)x0); \
+                    const __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)hi[oo], (__m512bh)x1); \
+                    acc[oo][r] = _mm512_fmadd_ps(d0, _mm512_set1_ps(q4_pair_scale(sp[oo][c / 32])), acc[oo][r]);  \
+                    acc[oo][r] = _mm512_fmadd_ps(d1, _mm512_set1_ps(q4_pair_scale(sp[oo][c / 32 + 1])), acc[oo][r]); \
+                }                                                                                  \
+            }                                                                                      \
+        } else {                                                                                   \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int oo = 0; oo < OB; oo++) t[oo][r] = Q4_DP(t[oo][r], lo[oo], x + r * xs + c); \
+            if ((GC == 0 || GC % 64) && (c + 32) % G == 0) { Q4_FLUSH(OB, R, q4_pair_scale(sz[oo * ng + g])) }                             \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int oo = 0; oo < OB; oo++) t[oo][r] = Q4_DP(t[oo][r], hi[oo], x + r * xs + c + 32); \
+            if ((c + 64) % G == 0) { Q4_FLUSH(OB, R, q4_pair_scale(sz[oo * ng + g])) }                                             \
+        }                                                                                          \
+    }                                                                                              \
+    if (c < K) { /* the last 32 codes: bytes to words, their high nibbles after them */            \
+        if (GC == 32) g = c / 32;                                                                  \
+        for (int oo = 0; oo < OB; oo++) {                                                          \
+            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qp[oo] + c / 2))); \
+            const __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(w), _mm256_srli_epi16(w, 4), 1); \
+            const __m512i codes = _mm512_permutexvar_epi16(b, lut);                                \
+            for (int r = 0; r < R; r++) t[oo][r] = Q4_DP(t[oo][r], codes, x + r * xs + c);         \
+        }                                                                                          \
+        Q4_FLUSH(OB, R, q4_pair_scale(sz[oo * ng + g]))                                            \
+    }                                                                                              \
+    (void)g;                                                                                       \
+    Q4_ZERO_TERM(OB, R, 0)                                                                         \
+    for (int oo = 0; oo < OB; oo++)                                                                \
+        for (int r = 0; r < R; r++) res[oo * R + r] = _mm512_reduce_add_ps(acc[oo][r]);            \
+}
+#endif
+
+/* Outputs [o0, o1) for R rows: OB at a time, then one at a time for what is left. */
+#define Q4_RANGE(KIND, TILE, R, OB)                                                                \
+TILE(q4_tile_##KIND##_##R, R, OB, 0) TILE(q4_tile32_##KIND##_##R, R, OB, 32)                       \
+TILE(q4_tile128_##KIND##_##R, R, OB, 128) TILE(q4_tail_##KIND##_##R, R, 1, 0)                      \
+TILE(q4_tail32_##KIND##_##R, R, 1, 32) TILE(q4_tail128_##KIND##_##R, R, 1, 128)                    \
+static void q4_range_##KIND##_##R(const void *x, int64_t xs, int xsize, const float *X, int64_t K, \
+                                  int64_t G, const uint8_t *q, const void *scale,                  \
+                                  const void *zero, void *out, int64_t os, int bf16, int64_t o0,  \
+                                  int64_t o1) {                                                    \
+    const int64_t ng = K / G;                                                                      \
+    const q4_tile_fn tile = G == 32 ? q4_tile32_##KIND##_##R : G == 128 ? q4_tile128_##KIND##_##R  \
+                                                                        : q4_tile_##KIND##_##R;    \
+    const q4_tile_fn tail = G == 32 ? q4_tail32_##KIND##_##R : G == 128 ? q4_tail128_##KIND##_##R  \
+                                                                        : q4_tail_##KIND##_##R;    \
+    (void)xsize;                                                                                   \
+    float res[OB * R];                                                                             \
+    for (int64_t o = o0; o < o1;) {                                                                \
+        const int ob = o + OB <= o1 ? OB : 1;                                                      \
+        (ob == OB ? tile : tail)(x, xs, X, K, G, q + o * (K / 2),                  \
+                                  (const float *)scale + o * ng, (const float *)zero + o * ng, res); \
+        for (int oo = 0; oo < ob; oo++)                                                            \
+            for (int r = 0; r < R; r++) {                                                          \
+                if (bf16) ((bf16_t *)out)[r * os + o + oo] = to_bf16(res[oo * R + r]);             \
+                else ((float *)out)[r * os + o + oo] = res[oo * R + r];                            \
+            }                                                                                      \
+        o += ob;                                                                                   \
+    }                                                                                              \
+}
+/* the portable tile ignores GC and takes one output at a time */
+#define Q4_TILE_C_ANY(NAME, R, OB, GC) Q4_TILE_C(NAME, R)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q4_TILE_FX Q4_TILE_F
+#define Q4_OB1 4
+#define Q4_OBN 2
+#else
+#define Q4_TILE_FX Q4_TILE_C_ANY
+#define Q4_OB1 1
+#define Q4_OBN 1
+#endif
+/* f32 x: OB outputs a tile for one row, fewer from two rows up (the FMAs bound the time) */
+Q4_RANGE(f, Q4_TILE_FX, 1, Q4_OB1) Q4_RANGE(f, Q4_TILE_FX, 2, Q4_OBN)
+Q4_RANGE(f, Q4_TILE_FX, 3, Q4_OBN) Q4_RANGE(f, Q4_TILE_FX, 4, Q4_OBN)
+Q4_RANGE(f, Q4_TILE_FX, 5, 1) Q4_RANGE(f, Q4_TILE_FX, 6, 1)
+Q4_RANGE(f, Q4_TILE_FX, 7, 1) Q4_RANGE(f, Q4_TILE_FX, 8, 1)
+
+typedef void (*q4_range_fn)(const void *, int64_t, int, const float *, int64_t, int64_t,
+                            const uint8_t *, const void *, const void *, void *, int64_t, int,
+                            int64_t, int64_t);
+static const q4_range_fn q4_ranges_f[8] = {q4_range_f_1, q4_range_f_2, q4_range_f_3, q4_range_f_4,
+                                           q4_range_f_5, q4_range_f_6, q4_range_f_7, q4_range_f_8};
+#ifdef Q4_BF16_DP
+Q4_RANGE(b, Q4_TILE_B, 1, 2) Q4_RANGE(b, Q4_TILE_B, 2, 2) Q4_RANGE(b, Q4_TILE_B, 3, 2)
+Q4_RANGE(b, Q4_TILE_B, 4, 2) Q4_RANGE(b, Q4_TILE_B, 5, 1) Q4_RANGE(b, Q4_TILE_B, 6, 1)
+Q4_RANGE(b, Q4_TILE_B, 7, 1) Q4_RANGE(b, Q4_TILE_B, 8, 1)
+static const q4_range_fn q4_ranges_b[8] = {q4_range_b_1, q4_range_b_2, q4_range_b_3, q4_range_b_4,
+                                           q4_range_b_5, q4_range_b_6, q4_range_b_7, q4_range_b_8};
+#endif
+
+/* Below this many weights one thread does it all: waking the pool costs more than it saves. */
+#define Q4_SERIAL_WEIGHTS 32768
+
+static void q4_run(q4_range_fn range, const void *x, int64_t xs, const float *X, int64_t rows,
+                   const uint8_t *q, const void *scale, const void *zero, void *out, int64_t os,
+                   int bf16, int64_t N, int64_t K, int64_t G, int nthreads) {
+    (void)rows;
+    if (N * K < Q4_SERIAL_WEIGHTS) nthreads = 1;
+    _Pragma("omp parallel num_threads(nthreads)")
+    {
+        /* contiguous slices in whole 8s (a multiple of every OB), as q8_run */
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t per = ((N + nt - 1) / nt + 7) / 8 * 8;
+        const int64_t o0 = t * per < N ? t * per : N, o1 = o0 + per < N ? o0 + per : N;
+        if (o0 < o1) range(x, xs, 0, X, K, G, q, scale, zero, out, os, bf16, o0, o1);
+    }
+}
+
+/* X[r, g]: the group sums of x's rows, in fp32 */
+#define Q4_GROUP_SUMS(NAME, T)                                                                     \
+static void q4_group_sums_##NAME(const T *x, int64_t xs, int64_t rows, int64_t K, int64_t G,        \
+                                 float *X) {                                                       \
+    for (int64_t r = 0; r < rows; r++)                                                             \
+        for (int64_t g = 0; g < K / G; g++) {                                                      \
+            float s = 0.f;                                                                         \
+            for (int64_t i = g * G; i < (g + 1) * G; i++) s += f32_from_##NAME(x[r * xs + i]);     \
+            X[r * (K / G) + g] = s;                                                                \
+        }                                                                                          \
+}
+Q4_GROUP_SUMS(f32, float)
+Q4_GROUP_SUMS(bf16, bf16_t)
+
+/* out (rows, N), row stride os, = x (rows, K), row stride xs, times the dequantized weight^T;
+ * q the packed codes (N, K / 2). 0, or 2: rows outside 0..8, 3: G not a multiple of 32 dividing
+ * K, 4: out of memory. */
+int q4_linear_f32(const float *x, int64_t xs, const uint8_t *q, const float *scale,
+                  const float *zero, float *out, int64_t os, int64_t rows, int64_t N, int64_t K,
+                  int64_t G, int nthreads) {
+    if (rows < 0 || rows > 8) return 2;
+    if (G <= 0 || G % 32 || K % G) return 3;
+    if (rows == 0 || N == 0) return 0;
+    float *X = malloc((size_t)(rows * (K / G)) * sizeof(float));
+    if (!X) return 4;
+    q4_group_sums_f32(x, xs, rows, K, G, X);
+    q4_run(q4_ranges_f[rows - 1], x, xs, X, rows, q, scale, zero, out, os, 0, N, K, G, nthreads);
+    free(X);
+    return 0;
+}
+
+/* bf16 x: the weight's scale and zero as bf16 pairs sz (N, K / G) of uint32 (CpuKernels.pack_q4),
+ * the scale in the low half, the zero in the high; a quarter less to read than two fp32. */
+int q4_linear_bf16(const bf16_t *x, int64_t xs, const uint8_t *q, const uint32_t *sz, bf16_t *out,
+                   int64_t os, int64_t rows, int64_t N, int64_t K, int64_t G, int nthreads) {
+    if (rows < 0 || rows > 8) return 2;
+    if (G <= 0 || G % 32 || K % G) return 3;
+    if (rows == 0 || N == 0) return 0;
+#ifdef Q4_BF16_DP
+    float *X = malloc((size_t)(rows * (K / G)) * sizeof(float));
+    if (!X) return 4;
+    q4_group_sums_bf16(x, xs, rows, K, G, X);
+    q4_run(q4_ranges_b[rows - 1], x, xs, X, rows, q, sz, sz, out, os, 1, N, K, G, nthreads);
+#else /* x, scales and zeros to f32 (after the group sums) for the f32 tiles */
+    const int64_t ng = K / G;
+    float *X = malloc((size_t)(rows * ng + rows * K + 2 * N * ng) * sizeof(float));
+    if (!X) return 4;
+    float *xf = X + rows * ng, *scale = xf + rows * K, *zero = scale + N * ng;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < K; i++) xf[r * K + i] = f32_from_bf16(x[r * xs + i]);
+    for (int64_t i = 0; i < N * ng; i++) {
+        scale[i] = q4_pair_scale(sz[i]);
+        zero[i] = q4_pair_zero(sz[i]);
+    }
+    q4_group_sums_bf16(x, xs, rows, K, G, X);
+    q4_run(q4_ranges_f[rows - 1], xf, K, X, rows, q, scale, zero, out, os, 1, N, K, G, nthreads);
+#endif
+    free(X);
+    return 0;
+}

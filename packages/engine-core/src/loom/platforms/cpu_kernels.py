@@ -1,6 +1,7 @@
 """The CPU platform's fused kernels for the replaceable ops: ``rms_norm``, ``silu_and_mul`` and
 ``rotary_embedding`` (``loom_plugin_api.KERNEL_SIGNATURES``), from ``cpu_kernels.c``; and
-``CpuKernels.q8_linear``, the decode matmul by an 8-bit group-wise quantized weight.
+``CpuKernels.q8_linear`` and ``CpuKernels.q4_linear``, the decode matmuls by an 8-bit and a 4-bit
+group-wise quantized weight (the 4-bit codes packed once by :func:`pack_q4`).
 
 ``CpuPlatform.register_triton_kernel_overrides`` calls :func:`install` in every worker: it
 compiles the C file with the machine's compiler (cached next to the paged-decode kernel, see
@@ -34,7 +35,7 @@ from ..logger import init_logger
 
 logger = init_logger(__name__)
 
-__all__ = ["CpuKernels", "install", "kernels"]
+__all__ = ["CpuKernels", "PackedQ4", "install", "kernels", "pack_q4", "unpack_q4"]
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -43,7 +44,10 @@ _ARGTYPES = {
     "silu_and_mul": [_PTR, _I64, _PTR, _I64, _I64, _I64, _INT],
     "rotary": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
     "q8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
+    "q4_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
 }
+# q4_linear_bf16 takes the bf16 (scale, zero) pairs as one array: no separate zero pointer
+_ARGTYPES_BF16 = {"q4_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT]}
 _Q8_MAX_ROWS = 8  # the kernel's register tiles go up to 8 rows; more is prefill, for a GEMM
 
 
@@ -51,6 +55,91 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` as (rows, last dim) with a unit inner stride, a view where possible."""
     rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _pack_codes(qweight: torch.Tensor) -> torch.Tensor:
+    n, k = qweight.shape
+    full = k // 64 * 64
+    q = qweight.contiguous()
+    parts = [q[:, :full].reshape(n, k // 64, 2, 32)]
+    if full < k:
+        parts.append(q[:, full:].reshape(n, 1, 2, 16))
+    packed = [(p[:, :, 0] & 15) | (p[:, :, 1] << 4) for p in parts]
+    return torch.cat([p.reshape(n, -1) for p in packed], dim=1).contiguous()
+
+
+def _unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape[0], codes.shape[1] * 2
+    full = k // 64 * 64
+    parts = [codes[:, :full // 2].reshape(n, k // 64, 1, 32)]
+    if full < k:
+        parts.append(codes[:, full // 2:].reshape(n, 1, 1, 16))
+    out = [torch.cat([p & 15, p >> 4], dim=2) for p in parts]
+    return torch.cat([c.reshape(n, -1) for c in out], dim=1)
+
+
+class PackedQ4:
+    """A 4-bit group-wise weight ``w[o, i] = (q[o, i] - 8) * scale[o, i // G] + zero[o, i // G]``
+    as :func:`pack_q4` lays it out for ``CpuKernels.q4_linear`` with activations of ``dtype``:
+
+    - ``codes``: uint8 (N, K / 2), each row in chunks of 64 codes, 32 bytes, byte m =
+      ``c[m] | c[32 + m] << 4``, and a last chunk of 32 codes, 16 bytes, byte m =
+      ``c[m] | c[16 + m] << 4``, where K % 64 is 32;
+    - float32: ``scale`` and ``zero`` float32 (N, K / G), as given (exact);
+    - bfloat16: ``scale_zero`` int32 (N, K / G), each the pair (bf16 scale in the low 16 bits,
+      bf16 zero in the high), read with the codes in one stream; ``scale`` and ``zero`` None. The
+      weight is then exact to within the bf16 rounding of scale and zero, as torch's int4 kernel
+      (which takes them in the activations' dtype).
+
+    ``n``, ``k``, ``group_size`` and ``dtype`` are the shape, group and activation dtype.
+    """
+
+    __slots__ = ("codes", "scale", "zero", "scale_zero", "group_size", "dtype", "n", "k")
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
+                 scale_zero: torch.Tensor | None, group_size: int, dtype: torch.dtype) -> None:
+        self.codes, self.scale, self.zero, self.scale_zero = codes, scale, zero, scale_zero
+        self.group_size, self.dtype = group_size, dtype
+        self.n, self.k = codes.shape[0], codes.shape[1] * 2
+
+    def __repr__(self) -> str:
+        return f"PackedQ4(n={self.n}, k={self.k}, group_size={self.group_size}, dtype={self.dtype})"
+
+
+def pack_q4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+            dtype: torch.dtype) -> PackedQ4:
+    """The weight ``(q - 8) * scale + zero`` per group (q uint8 (N, K), values 0..15, K a multiple
+    of 32; scale and zero (N, K / G), G = K / their width a multiple of 32) packed for
+    ``CpuKernels.q4_linear`` on activations of ``dtype`` (float32 or bfloat16): a
+    :class:`PackedQ4`. Done once, at load."""
+    if not (qweight.is_cpu and scale.is_cpu and zero.is_cpu):
+        raise ValueError("pack_q4 packs CPU tensors")
+    if qweight.dim() != 2 or qweight.dtype != torch.uint8 or qweight.shape[1] % 32:
+        raise ValueError(f"pack_q4 takes uint8 (N, K) codes with K a multiple of 32, not {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    n, k = qweight.shape
+    if (scale.dim() != 2 or scale.shape != zero.shape or scale.shape[0] != n or not scale.shape[1]
+            or k % scale.shape[1] or (k // scale.shape[1]) % 32):
+        raise ValueError(f"pack_q4 takes scale and zero (N, K / G), G a multiple of 32 dividing K = {k}, not "
+                         f"{tuple(scale.shape)} and {tuple(zero.shape)} for {n} outputs")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pack_q4 packs for float32 or bfloat16 activations, not {dtype}")
+    group = k // scale.shape[1]
+    codes = _pack_codes(qweight)
+    if dtype == torch.float32:
+        return PackedQ4(codes, scale.float().contiguous(), zero.float().contiguous(), None, group, dtype)
+    pairs = torch.stack([scale.to(torch.bfloat16).view(torch.int16), zero.to(torch.bfloat16).view(torch.int16)], -1)
+    return PackedQ4(codes, None, None, pairs.contiguous().view(torch.int32).view(n, -1), group, dtype)
+
+
+def unpack_q4(packed: PackedQ4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`pack_q4` packed, as ``q4_linear`` uses it: the codes uint8 (N, K), and scale and
+    zero float32 (N, K / G) (for bfloat16, the bf16-rounded values)."""
+    q = _unpack_codes(packed.codes)
+    if packed.scale_zero is None:
+        return q, packed.scale, packed.zero
+    pairs = packed.scale_zero.view(torch.int16).view(packed.n, -1, 2).view(torch.bfloat16)
+    return q, pairs[..., 0].float(), pairs[..., 1].float()
 
 
 class CpuKernels:
@@ -61,8 +150,11 @@ class CpuKernels:
         for name, argtypes in _ARGTYPES.items():
             for dtype, suffix in _SUFFIX.items():
                 fn = getattr(lib, f"{name}_{suffix}")
+                if dtype == torch.bfloat16:
+                    argtypes = _ARGTYPES_BF16.get(name, argtypes)
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
                 self._fns[name, dtype] = fn
+        self._q4 = {dtype: self._fns["q4_linear", dtype] for dtype in _SUFFIX}  # one lookup per call
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +235,50 @@ class CpuKernels:
         return None if rc else out  # nonzero: out of memory for the fp32 copy of x (the checks above cover the rest)
 
 
+    pack_q4 = staticmethod(pack_q4)
+
+    def q4_linear(self, x: torch.Tensor, packed: PackedQ4) -> torch.Tensor | None:
+        """``x @ w.T`` for the 4-bit group-wise weight ``packed = pack_q4(q, scale, zero, x.dtype)``
+        (no bias), summed in fp32, in x's dtype, for up to 8 rows of x (decode). None where the
+        kernel cannot take it (x's dtype not the one packed for, too many rows, a width mismatch, a
+        device other than the CPU): the caller takes another path. Called once per layer per decoded
+        token, so the checks are the few that keep the kernel inside its buffers, each a cheap
+        attribute (:func:`pack_q4` made the weight's tensors contiguous and consistent)."""
+        fn = self._q4.get(x.dtype)
+        if fn is None or packed.dtype != x.dtype:
+            return None
+        n, k = packed.n, packed.k
+        if x.ndim == 2 and x.stride(1) == 1:  # decode's (rows, K): no reshape
+            xr, rows, shape = x, x.shape[0], None
+        else:
+            if x.ndim == 0:
+                return None
+            xr, shape = _rows(x), (*x.shape[:-1], n)
+            rows = xr.shape[0]
+        if xr.shape[1] != k or rows > _Q8_MAX_ROWS or not x.is_cpu:
+            return None
+        out = torch.empty(rows, n, dtype=x.dtype)
+        if rows and n:
+            if packed.scale_zero is None:
+                rc = fn(xr.data_ptr(), xr.stride(0), packed.codes.data_ptr(), packed.scale.data_ptr(),
+                        packed.zero.data_ptr(), out.data_ptr(), n, rows, n, k, packed.group_size,
+                        torch.get_num_threads())
+            else:
+                rc = fn(xr.data_ptr(), xr.stride(0), packed.codes.data_ptr(), packed.scale_zero.data_ptr(),
+                        out.data_ptr(), n, rows, n, k, packed.group_size, torch.get_num_threads())
+            if rc:
+                return None  # out of memory for the group sums (the checks above cover the rest)
+        return out if shape is None else out.view(shape)
+
+
+def _q4_dequantize(packed: PackedQ4) -> torch.Tensor:
+    """The fp32 weight ``q4_linear`` multiplies by: ``(q - 8) * scale + zero`` per group."""
+    q, scale, zero = unpack_q4(packed)
+    n, k, group = packed.n, packed.k, packed.group_size
+    w = (q.float() - 8).view(n, k // group, group) * scale[..., None] + zero[..., None]
+    return w.view(n, k)
+
+
 def _q8_dequantize(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """The fp32 weight ``q8_linear`` multiplies by: ``(qweight - 128) * scale + zero`` per group."""
     n, k = qweight.shape
@@ -200,6 +336,19 @@ def _self_check(k: CpuKernels) -> None:
         if not torch.allclose(got.float(), want, rtol=q8_tol, atol=q8_tol * want.abs().max().item()):
             raise native.NativeKernelError(f"the compiled q8_linear disagrees with torch in {dtype} "
                                            f"(max error {(got.float() - want).abs().max():.3g})")
+        # q4_linear: 3 rows, 21 outputs (full tiles and a tail), K = 96 (a chunk of 64 codes and
+        # one of 32), groups of 32; against the dequantized weight in fp32, as q8_linear
+        # (bf16: scales and zeros as bf16, the reference with the same rounded values)
+        sc, zp = torch.rand(21, 3, generator=g) * 0.02, torch.randn(21, 3, generator=g) * 0.01
+        q4 = pack_q4(torch.randint(0, 16, (21, 96), generator=g, dtype=torch.uint8), sc, zp, dtype)
+        xq = torch.randn(3, 96, generator=g).to(dtype)
+        want = F.linear(xq.float(), _q4_dequantize(q4))
+        got = k.q4_linear(xq, q4)
+        if got is None or got.dtype != dtype or got.shape != want.shape:
+            raise native.NativeKernelError(f"the compiled q4_linear refused or misshaped a {dtype} problem")
+        if not torch.allclose(got.float(), want, rtol=q8_tol, atol=q8_tol * want.abs().max().item()):
+            raise native.NativeKernelError(f"the compiled q4_linear disagrees with torch in {dtype} "
+                                           f"(max error {(got.float() - want).abs().max():.3g})")
 
 
 @functools.cache
@@ -213,8 +362,8 @@ def kernels() -> CpuKernels | None:
         _self_check(k)
         return k
     except (native.NativeKernelError, OSError, subprocess.SubprocessError, AttributeError) as e:
-        logger.warning("CPU fused kernels unavailable, RMSNorm, SiLU-and-mul, rotary embedding and the 8-bit "
-                       "linear run on torch ops (slower): %s. Install a C compiler with OpenMP (gcc) to enable them, or set "
+        logger.warning("CPU fused kernels unavailable, RMSNorm, SiLU-and-mul, rotary embedding and the 8- and "
+                       "4-bit linears run on torch ops (slower): %s. Install a C compiler with OpenMP (gcc) to enable them, or set "
                        "LOOM_CPU_NATIVE_KERNELS=0 to silence this.", e)
         return None
 
