@@ -156,7 +156,8 @@ def _assert_same_state(packed, dense) -> None:
 
 
 def _quantized_layers(model) -> dict[str, int]:
-    return {name: m.weight.weight.bits for name, m in model.named_modules()
+    """``{layer: bits}``; on the CPU platform a layer's op has released its weight to the kernel's layout."""
+    return {name: (m.weight.weight or m.weight.kernel_weight()).bits for name, m in model.named_modules()
             if isinstance(getattr(m, "weight", None), QuantizedLinear)}
 
 
@@ -168,6 +169,9 @@ def test_tiny_gguf_logits_match_dequantized(tiny_gguf, monkeypatch, max_rows):
     packed = get_model(make_config(tiny_gguf, quantization="gguf"))
     layers = _quantized_layers(packed)
     assert sorted(layers.values()) == [4] * 6 + [8] * 2  # qkv, o, gate_up (4-bit) and down (8-bit) per layer
+    for name in layers:  # on the CPU platform the op keeps only the kernel's layouts (one copy of the codes)
+        op = packed.get_submodule(name).weight
+        assert (op.weight is None) == (op.forward_method_name == "forward_cpu"), name
     head = packed.logits_processor.quantized_head
     assert head is not None and head.weight.bits == 8 and head.weight.shape == tuple(packed.lm_head.weight.shape)
     _assert_same_state(packed, dense)
@@ -212,8 +216,9 @@ def test_round_to_nearest_at_load_matches_its_dequantized_weights(tiny_safetenso
     layers = _quantized_layers(packed)
     expected = 8 if group_size == 32 else 6  # down_proj's input (96) is not whole groups of 64
     assert len(layers) == expected and set(layers.values()) == {bits}
+    state = packed.state_dict()  # a quantized layer shows its dequantized values
     for name in layers:  # the dense model given the quantized values (a plain weight: F.linear)
-        deq = packed.get_submodule(name).weight.weight.dequantize()
+        deq = state[name + ".weight"]
         dense.get_submodule(name).weight = torch.nn.Parameter(deq, requires_grad=False)
     prompts = [[5, 17, 200], [42, 7]]
     with torch.inference_mode():

@@ -132,6 +132,7 @@ def finish_quantized(layer: nn.Module, bits: int, dtype: torch.dtype) -> None:
     prepared = layer.weight.kernel_weight() if layer.weight.forward_method_name != "forward_native" else None
     if isinstance(prepared, CpuQuantizedWeight):
         prepared.make_dense()  # now, at load: made on the first prefill, it would slow that request
+        layer.weight.release_weight()  # the CPU layouts hold the codes and the exact values: one copy
 
 
 class CpuQuantizedWeight:
@@ -176,6 +177,8 @@ class CpuQuantizedWeight:
         if self._dense is None:
             dense = self._weight.dequantize(self.dtype)
             self._dense = onednn.pack_weight(dense) if onednn.enabled_for(dense) else dense
+            if self.codes is None:  # the codes are in the kernel's own layout: the neutral ones can go
+                self._weight = None
         return self._dense
 
     @property
@@ -229,5 +232,8 @@ def _dense_state(module: nn.Module, state_dict: dict, prefix: str, local_metadat
     """``state_dict()`` shows a quantized layer's weight as the dense ``(out, in)`` tensor of its
     values in the compute dtype (as ``onednn``'s hook does for packed layers)."""
     op = getattr(module, "weight", None)
-    if isinstance(op, QuantizedLinear):
+    if isinstance(op, QuantizedLinear) and op.weight is not None:
         state_dict[prefix + "weight"] = op.weight.dequantize(op.dtype)
+    elif isinstance(op, QuantizedLinear):  # released: the CPU layout's dense copy holds the same values
+        dense = op.kernel_weight().dense
+        state_dict[prefix + "weight"] = dense.to_dense() if dense.is_mkldnn else dense

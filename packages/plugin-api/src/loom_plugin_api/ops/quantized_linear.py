@@ -98,6 +98,8 @@ class QuantizedLinear(CustomOp):
             self.kernel_weight()
 
     def forward_native(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.weight is None:
+            raise RuntimeError("QuantizedLinear.forward_native: the weight was released to the kernel's layout")
         w = self.weight.dequantize(torch.float32).to(x.device)
         out = F.linear(x.float(), w, None if bias is None else bias.float())
         return out.to(x.dtype)
@@ -120,6 +122,17 @@ class QuantizedLinear(CustomOp):
             self._kernel = kernel
         return self._prepared
 
+    def release_weight(self) -> bool:
+        """Free the ``QuantizedWeight`` once the kernel's ``prepare`` made its own layout of it, so
+        that a layer computing only through that kernel holds its weights once; False, and nothing
+        freed, where no kernel prepared one. Afterwards ``weight`` is None and ``forward_native``
+        cannot run (the kernel still does)."""
+        self.kernel_weight()
+        if self._kernel is None or self._prepared is self.weight:
+            return False
+        self.weight = None  # type: ignore[assignment]
+        return True
+
     def _forward_kernel(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The platform's ``quantized_linear`` kernel (the one installed when the layout was made),
         else ``forward_native``."""
@@ -130,5 +143,7 @@ class QuantizedLinear(CustomOp):
         return self._kernel(x, self._prepared, bias)
 
     def extra_repr(self) -> str:
+        if self.weight is None:
+            return f"released to {type(self._prepared).__name__}"
         out_features, in_features = self.weight.shape
         return f"in={in_features}, out={out_features}, bits={self.weight.bits}, group_size={self.weight.group_size}"
