@@ -15,6 +15,7 @@ import torch.nn as nn
 from loom.layers.attention import Attention
 from loom_plugin_api import AttentionMetadata
 from loom_plugin_api.context import set_forward_context
+from loom_plugin_api.ops.quantized_linear import QuantizedLinear
 
 
 class ModelRunnerHarness:
@@ -136,7 +137,7 @@ def tp_prefill_worker(rank: int, world_size: int, init_file: str, model_dirs: li
         for model_dir in model_dirs:
             model = get_model(make_config(model_dir, tensor_parallel_size=world_size, **(engine_args or {})))
             results[model_dir] = run_prefill(model, prompts)
-            results[model_dir + ":quantized layers"] = sum(type(getattr(m, "weight", None)).__name__ == "QuantizedLinear"
+            results[model_dir + ":quantized layers"] = sum(isinstance(getattr(m, "weight", None), QuantizedLinear)
                                                       for m in model.modules())
         if rank == 0:
             torch.save(results, out_path)

@@ -169,9 +169,9 @@ def test_tiny_gguf_logits_match_dequantized(tiny_gguf, monkeypatch, max_rows):
     packed = get_model(make_config(tiny_gguf, quantization="gguf"))
     layers = _quantized_layers(packed)
     assert sorted(layers.values()) == [4] * 6 + [8] * 2  # qkv, o, gate_up (4-bit) and down (8-bit) per layer
-    for name in layers:  # on the CPU platform the op keeps only the kernel's layouts (one copy of the codes)
+    for name in layers:  # with the CPU kernel the op keeps only the kernel's layouts (one copy of the codes)
         op = packed.get_submodule(name).weight
-        assert (op.weight is None) == (op.forward_method_name == "forward_cpu"), name
+        assert (op.weight is None) == isinstance(op.kernel_weight(), CpuQuantizedWeight), name
     head = packed.logits_processor.quantized_head
     assert head is not None and head.weight.bits == 8 and head.weight.shape == tuple(packed.lm_head.weight.shape)
     _assert_same_state(packed, dense)
@@ -205,25 +205,44 @@ def tiny_safetensors(tiny_hf, tmp_path_factory):
     return str(path)
 
 
+_FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _rtn_values(hf_state: dict, name: str, bits: int, group_size: int) -> torch.Tensor:
+    """What round to nearest makes of a loom layer's HF weights (a fused layer: its parts' rows in order)."""
+    prefix, _, module = name.partition(".self_attn.") if ".self_attn." in name else name.partition(".mlp.")
+    kind = "self_attn." if ".self_attn." in name else "mlp."
+    parts = _FUSED.get(kind + module, (module,))
+    rows = []
+    for part in parts:
+        w = hf_state[f"{prefix}.{kind}{part}.weight"]
+        rows.append(QuantizedWeight(*quantize_rtn(w, bits, group_size), bits, group_size).dequantize())
+    return torch.cat(rows)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_round_to_nearest_at_load_matches_its_dequantized_weights(tiny_safetensors, bits, group_size):
-    """``--quantization int4/int8``: every linear layer whose input is whole groups is quantized,
-    and the logits are those of the dense model given the quantized weights' values."""
+def test_round_to_nearest_at_load_matches_its_dequantized_weights(tiny_hf, tiny_safetensors, bits, group_size):
+    """``--quantization int4/int8``: every linear layer whose input is whole groups holds the round
+    to nearest of the checkpoint's weights, and the model computes with exactly those values:
+    prefill (the dense copies) and greedy decoding of one row (the code kernels) equal the dense
+    model given them."""
     config = make_config(tiny_safetensors, quantization=f"int{bits}", quantization_group_size=group_size)
     packed = get_model(config)
     dense = get_model(make_config(tiny_safetensors))
     layers = _quantized_layers(packed)
     expected = 8 if group_size == 32 else 6  # down_proj's input (96) is not whole groups of 64
     assert len(layers) == expected and set(layers.values()) == {bits}
-    state = packed.state_dict()  # a quantized layer shows its dequantized values
-    for name in layers:  # the dense model given the quantized values (a plain weight: F.linear)
-        deq = state[name + ".weight"]
-        dense.get_submodule(name).weight = torch.nn.Parameter(deq, requires_grad=False)
+    state, hf_state = packed.state_dict(), tiny_hf.state_dict()
+    for name in layers:  # the dense model given the round-to-nearest values (a plain weight: F.linear)
+        want = _rtn_values(hf_state, name, bits, group_size)
+        torch.testing.assert_close(state[name + ".weight"], want, atol=0, rtol=0, msg=name)
+        dense.get_submodule(name).weight = torch.nn.Parameter(want, requires_grad=False)
     prompts = [[5, 17, 200], [42, 7]]
     with torch.inference_mode():
         for got, want in zip(run_prefill(packed, prompts), run_prefill(dense, prompts)):
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+        assert greedy_generate(packed, prompts[0], 8) == greedy_generate(dense, prompts[0], 8)
 
 
 def test_quantization_choices_are_checked(tiny_gguf, tiny_safetensors):
@@ -255,3 +274,16 @@ def test_default_model_quantized_greedy_matches_dequantized():
         got = greedy_generate(packed, prompt, 32)
         assert got == greedy_generate(dense, prompt, 32)
     assert "Paris" in tok.decode(got)
+
+
+def test_without_a_kernel_the_layers_stay_dense(tiny_gguf):
+    """``--custom-ops -quantized_linear`` (as an out-of-tree platform without a kernel): the op would
+    run ``forward_native``, which dequantizes every weight on every call, so the loader keeps the
+    same values dense and installs no quantized LM head."""
+    packed = get_model(make_config(tiny_gguf, quantization="gguf", custom_ops=["-quantized_linear"]))
+    dense = get_model(make_config(tiny_gguf, quantization="none"))
+    assert _quantized_layers(packed) == {} and packed.logits_processor.quantized_head is None
+    _assert_same_state(packed, dense)
+    with torch.inference_mode():
+        for got, want in zip(run_prefill(packed, [[5, 17, 200]]), run_prefill(dense, [[5, 17, 200]])):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

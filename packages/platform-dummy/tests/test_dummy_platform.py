@@ -32,6 +32,16 @@ def test_check_and_update_config_sets_ops_and_worker():
     assert resolve_obj_by_qualname(DummyPlatform.get_attn_backend_cls(None, None)) is DummyAttentionBackend
 
 
+def test_check_and_update_config_keeps_the_ops_the_user_switched_off():
+    config = SimpleNamespace(
+        compilation_config=SimpleNamespace(custom_ops=["none", "+rms_norm", "-quantized_linear"]),
+        parallel_config=SimpleNamespace(worker_cls="auto"),
+        model_config=SimpleNamespace(dtype="float32"),
+    )
+    DummyPlatform.check_and_update_config(config)
+    assert config.compilation_config.custom_ops == ["all", "-quantized_linear"]
+
+
 def test_block_size_only_changes_when_user_did_not_choose():
     config = SimpleNamespace(cache_config=SimpleNamespace(block_size=8, user_block_size=False))
     DummyPlatform.update_block_size_for_backend(config)

@@ -3,7 +3,8 @@
 Two plugins, in two groups (see pyproject.toml):
 
 * ``loom.platform_plugins``: ``dummy_platform_plugin`` — the detector;
-* ``loom.general_plugins``: ``dummy_custom_ops`` — registers ``DummyRotaryEmbedding``.
+* ``loom.general_plugins``: ``dummy_custom_ops`` — registers ``DummyRotaryEmbedding`` and
+  ``DummyQuantizedLinear``.
 """
 
 from __future__ import annotations

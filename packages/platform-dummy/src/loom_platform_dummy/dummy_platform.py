@@ -28,8 +28,10 @@ class DummyPlatform(HostPlatform):
 
     @classmethod
     def check_and_update_config(cls, config: LoomConfigView) -> None:
-        # The platform's own op implementations (forward_oot) run for every CustomOp.
-        config.compilation_config.custom_ops = ["all"]
+        # The platform's own op implementations (forward_oot) run for every CustomOp but those the
+        # user switched off by name ("-rms_norm"): the base entry becomes "all".
+        user_off = [op for op in config.compilation_config.custom_ops if op.startswith("-")]
+        config.compilation_config.custom_ops = ["all", *user_off]
         if config.parallel_config.worker_cls == "auto":
             config.parallel_config.worker_cls = WORKER
         dtype = config.model_config.dtype

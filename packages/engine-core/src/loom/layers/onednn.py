@@ -13,7 +13,8 @@ model's ``state_dict()`` give the dense tensor back. The LM head, whose weight i
 embedding table as well, is packed as a separate copy in vocabulary chunks (``PackedHead``),
 since the embedding gathers rows.
 
-Only on the CPU, for float32 and bfloat16, where torch was built with oneDNN;
+Only on the CPU, for float32 and bfloat16 (bf16 where oneDNN packs it on this CPU: ``packs``),
+where torch was built with oneDNN;
 ``LOOM_CPU_PREPACK=0`` keeps ``F.linear``.
 """
 
@@ -46,9 +47,23 @@ def available() -> bool:
             and hasattr(mkldnn, "_linear_pointwise"))
 
 
+@functools.cache
+def packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU: its bf16 reorder needs AVX512 (bw, vl,
+    dq) or AVX-NE-CONVERT, which an AVX2-only CPU lacks; asked once, by trying it."""
+    if dtype not in DTYPES or not available():
+        return False
+    try:
+        pack_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError as e:
+        logger.info("oneDNN does not pack %s weights on this CPU (%s): F.linear instead", dtype, e)
+        return False
+    return True
+
+
 def enabled_for(weight: torch.Tensor) -> bool:
-    return (envs.LOOM_CPU_PREPACK and weight.device.type == "cpu" and weight.dtype in DTYPES
-            and not weight.is_mkldnn and available())
+    return (envs.LOOM_CPU_PREPACK and weight.device.type == "cpu" and not weight.is_mkldnn
+            and packs(weight.dtype))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -34,13 +34,14 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from loom_plugin_api import CustomOp
 from loom_plugin_api.ops.quantized_linear import QuantizedLinear, QuantizedWeight
 
 from . import onednn
 
 __all__ = [
     "QPARAMS", "QUANT_MAX_ROWS", "CpuQuantizedWeight", "cpu_quantized_linear", "finish_quantized",
-    "int4_available", "make_quantized_params", "quantize_rtn",
+    "int4_available", "make_quantized_params", "quantize_rtn", "runs_a_kernel",
 ]
 
 QUANT_MAX_ROWS = 4
@@ -116,23 +117,44 @@ def quantize_model(model: nn.Module, bits: int, group_size: int, dtype: torch.dt
         q, scale, zero = quantize_rtn(module.weight.data, bits, group_size)
         del module.weight
         module.qweight, module.qscale, module.qzero = (nn.Parameter(t, requires_grad=False) for t in (q, scale, zero))
-        finish_quantized(module, bits, dtype)
-        done += 1
+        if finish_quantized(module, bits, dtype):
+            done += 1
+        else:
+            kept += 1
     return done, kept
 
 
-def finish_quantized(layer: nn.Module, bits: int, dtype: torch.dtype) -> None:
-    """Turn a loaded layer's quantized parameters into its ``weight``: a ``QuantizedLinear`` op."""
+def runs_a_kernel(op: QuantizedLinear) -> bool:
+    """Whether ``op`` computes through a platform's kernel or replacement class: not through
+    ``forward_native``, which dequantizes the whole weight on every call."""
+    method = op.forward_method_name
+    if method == "forward_native":
+        return False
+    if type(op) is not QuantizedLinear:  # a platform's replacement class runs its own forward
+        return True
+    return method != "forward_oot" and CustomOp.get_kernel("quantized_linear") is not None
+
+
+def finish_quantized(layer: nn.Module, bits: int, dtype: torch.dtype) -> bool:
+    """Turn a loaded layer's quantized parameters into its ``weight``: a ``QuantizedLinear`` op, or,
+    where no kernel would run it (an out-of-tree platform without one, ``--custom-ops
+    -quantized_linear``), a dense weight of the same values, as ``--quantization none`` holds it;
+    whether the layer stayed quantized."""
     group_size = layer.qweight.shape[1] // layer.qscale.shape[1]
     weight = QuantizedWeight(layer.qweight.data, layer.qscale.data, layer.qzero.data, bits, group_size)
     for name in QPARAMS:
         delattr(layer, name)
-    layer.weight = QuantizedLinear(weight, dtype)
+    op = QuantizedLinear(weight, dtype)
+    if not runs_a_kernel(op):
+        layer.weight = nn.Parameter(weight.dequantize(dtype), requires_grad=False)
+        return False
+    layer.weight = op
     layer.register_state_dict_post_hook(_dense_state)
-    prepared = layer.weight.kernel_weight() if layer.weight.forward_method_name != "forward_native" else None
+    prepared = op.kernel_weight()
     if isinstance(prepared, CpuQuantizedWeight):
         prepared.make_dense()  # now, at load: made on the first prefill, it would slow that request
-        layer.weight.release_weight()  # the CPU layouts hold the codes and the exact values: one copy
+        op.release_weight()  # the CPU layouts hold the codes and the exact values: one copy
+    return True
 
 
 class CpuQuantizedWeight:
@@ -156,7 +178,8 @@ class CpuQuantizedWeight:
         if (weight.bits == 4 and weight.group_size % 32 == 0 and dtype in (torch.float32, torch.bfloat16)
                 and kernels() is not None):
             self.q4 = pack_q4(weight.qweight, weight.scale, weight.zero, dtype)
-        elif weight.bits == 4 and weight.group_size in _INT4_GROUPS and out_features % 16 == 0 and int4_available():
+        elif (weight.bits == 4 and dtype == torch.bfloat16 and weight.group_size in _INT4_GROUPS
+              and out_features % 16 == 0 and int4_available()):  # in fp32 torch's takes 20x the dense GEMM
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.qweight.to(torch.int32).contiguous(), 1)
             # (in / group, out, 2): per group and output, the scale and the zero, in the activations' dtype
             scales_and_zeros = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).to(dtype).contiguous()
@@ -165,6 +188,16 @@ class CpuQuantizedWeight:
             self.codes = weight
         self._weight, self.dtype = weight, dtype
         self._dense: torch.Tensor | None = None
+
+    @property
+    def reads_codes(self) -> bool:
+        """Whether a few rows multiply through the codes here (else through the dense copy)."""
+        if self.q4 is not None or self.int4 is not None:
+            return True
+        # here, not at the top: as in __init__
+        from ..platforms.cpu_kernels import kernels
+
+        return self.codes is not None and kernels() is not None
 
     @property
     def dense(self) -> torch.Tensor:
@@ -221,7 +254,8 @@ def cpu_quantized_linear(x: torch.Tensor, weight: CpuQuantizedWeight, bias: torc
     if x.dtype == weight.dtype and x.numel() <= QUANT_MAX_ROWS * x.shape[-1]:
         out = weight.few_rows(x)
         if out is not None:
-            return out if bias is None else out + bias
+            return out if bias is None else out.add_(bias)  # in the output's dtype, as forward_native
+    bias = None if bias is None else bias.to(weight.dtype)
     return onednn.linear(x.to(weight.dtype), weight.dense, bias).to(x.dtype)
 
 

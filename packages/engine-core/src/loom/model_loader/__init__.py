@@ -50,7 +50,7 @@ def _load_safetensors(model: nn.Module, config: LoomConfig, show_progress: bool)
         group_size = config.model_config.quantization_group_size
         done, kept = quantize_model(model, int(quantization[3:]), group_size, config.model_config.torch_dtype)
         logger.info("Quantized %d linear layers to %s (round to nearest, groups of %d)%s", done, quantization,
-                    group_size, f"; {kept} kept dense (input width not whole groups)" if kept else "")
+                    group_size, f"; {kept} kept dense (input width not whole groups, or no kernel runs the op here)" if kept else "")
     return source
 
 

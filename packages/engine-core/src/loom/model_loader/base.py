@@ -66,7 +66,8 @@ def get_model(config: LoomConfig, device: torch.device | None = None) -> nn.Modu
         model = model_cls(config=config)  # type: ignore[call-arg]
     built = time.perf_counter()
     show_progress = get_tensor_model_parallel_rank() == 0
-    source = WEIGHT_LOADERS[load_format](model, config, show_progress)
+    with set_current_config(config):  # ops built at load (quantized layers) follow its custom_ops too
+        source = WEIGHT_LOADERS[load_format](model, config, show_progress)
     model.eval()
     if device.type == "cpu":
         prepack_model(model)

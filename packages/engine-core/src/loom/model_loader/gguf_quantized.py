@@ -32,7 +32,13 @@ from loom_plugin_api.ops import QuantizedLinear, QuantizedWeight
 
 from ..layers.linear import LinearBase
 from ..layers.logits_processor import LogitsProcessor
-from ..layers.quantized import QPARAMS, finish_quantized, make_quantized_params
+from ..layers.quantized import (
+    QPARAMS,
+    CpuQuantizedWeight,
+    finish_quantized,
+    make_quantized_params,
+    runs_a_kernel,
+)
 from ..logger import init_logger
 from .base import load_weights_into
 from .gguf_loader import cached_gguf_entries, dequantized, reverse_permute
@@ -106,16 +112,22 @@ def _quantized_head(model: nn.Module, entries: list, dtype: torch.dtype) -> Quan
     codes = torch.full((rows, shape[1]), 2 ** (bits - 1), dtype=torch.uint8)  # padding rows: weights of zero
     scales, zeros = torch.zeros(rows, scale.shape[1]), torch.zeros(rows, scale.shape[1])
     codes[:real], scales[:real], zeros[:real] = q[start:end], scale[start:end], zero[start:end]
-    return QuantizedLinear(QuantizedWeight(codes, scales, zeros, bits, GROUP_SIZE), dtype)
+    head = QuantizedLinear(QuantizedWeight(codes, scales, zeros, bits, GROUP_SIZE), dtype)
+    if not runs_a_kernel(head):
+        return None  # the dense head is faster than dequantizing the whole head every step
+    prepared = head.kernel_weight()
+    if isinstance(prepared, CpuQuantizedWeight) and not prepared.reads_codes:
+        return None  # it would multiply through a dense copy of its own: a second dense head
+    return head
 
 
 def load_gguf_quantized(model: nn.Module, path: str, dtype: torch.dtype) -> dict[str, int]:
-    """Load ``path`` into ``model`` with its quantized linear weights kept so; ``{layer: bits}``."""
+    """Load ``path`` into ``model`` with its quantized linear weights kept so; ``{layer: bits}`` of
+    the layers that stayed quantized (none where no kernel runs the op: those hold the same values dense)."""
     entries = cached_gguf_entries(path)
     chosen = _choose_quantized_layers(model, entries)
     load_weights_into(model, _tensors(model, entries, chosen, path), path)
-    for module_name, bits in chosen.items():
-        finish_quantized(model.get_submodule(module_name), bits, dtype)
+    chosen = {name: bits for name, bits in chosen.items() if finish_quantized(model.get_submodule(name), bits, dtype)}
     processors = [m for m in model.modules() if isinstance(m, LogitsProcessor)]
     head = _quantized_head(model, entries, dtype) if len(processors) == 1 else None
     if head is not None:

@@ -34,7 +34,7 @@ class CpuPlatform(HostPlatform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         # Not Triton here: fused C kernels compiled on this machine, behind the ops' forward_cpu, and
-        # the quantized matmul (torch's int4 kernel, the C 8-bit one, a dense copy for batches).
+        # the quantized matmul (the C 4-bit and 8-bit kernels, a dense copy for batches).
         # Imported here, not at the top: they import torch, which the CLI's platform detection must not.
         from loom_plugin_api import CustomOp  # lazy: CustomOp is a torch module
 

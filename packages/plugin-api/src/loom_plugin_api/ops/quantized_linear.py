@@ -28,7 +28,7 @@ QUANTIZED_BITS = (4, 8)
 """Code widths a :class:`QuantizedWeight` may have."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QuantizedWeight:
     """An ``(out, in)`` weight as group-wise codes.
 
@@ -70,7 +70,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``(out, in)`` weights, computed in fp32 and returned in ``dtype``."""
         out_features, in_features = self.shape
-        codes = self.qweight.view(out_features, in_features // self.group_size, self.group_size).float()
+        codes = self.qweight.reshape(out_features, in_features // self.group_size, self.group_size).float()
         w = (codes - 2 ** (self.bits - 1)) * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)
         return w.view(out_features, in_features).to(dtype)
 
@@ -80,12 +80,21 @@ class QuantizedWeight:
                                self.bits, self.group_size)
 
 
+# the methods that run the installed kernel; forward_oot is a replacement class's own
+_KERNEL_METHODS = ("forward_cpu", "forward_cuda")
+
+
 @CustomOp.register("quantized_linear")
 class QuantizedLinear(CustomOp):
     """``x @ weight.dequantize().T + bias`` for a :class:`QuantizedWeight`, in ``x``'s dtype.
 
     Built once per layer after its weights are loaded: ``QuantizedLinear(weight, dtype)``, then
-    ``forward(x, bias=None)``. ``dtype`` is the activations' dtype (float32, bfloat16 or float16).
+    ``forward(x, bias=None)``. ``dtype`` is the activations' dtype (float32, bfloat16 or float16);
+    ``x`` is ``(..., in)``, the output ``(..., out)`` in ``x``'s dtype whatever the bias's float dtype.
+    The weight's tensors are on the device the layer computes on (loom's loader builds them in host
+    memory, and uses quantized layers on host platforms only so far). On an out-of-tree platform the
+    op runs ``forward_oot``, which is ``forward_native`` unless the platform replaces the class; where
+    no kernel or replacement would run it, loom's loader keeps the layer dense instead.
     """
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
@@ -94,7 +103,7 @@ class QuantizedLinear(CustomOp):
         self.dtype = dtype
         self._kernel: Any = None
         self._prepared: Any = None
-        if self.forward_method_name != "forward_native":  # the kernel's layout, made once, at load
+        if self.forward_method_name in _KERNEL_METHODS:  # the kernel's layout, made once, at load
             self.kernel_weight()
 
     def forward_native(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +121,11 @@ class QuantizedLinear(CustomOp):
 
     def kernel_weight(self) -> Any:
         """What the installed kernel takes as ``weight``: its ``prepare`` result, made on first use
-        (the layer keeps that kernel: the layout is the kernel's own)."""
+        (the layer keeps that kernel: the layout is the kernel's own); the ``QuantizedWeight``
+        itself where the op runs no installed kernel (``forward_native``, a replacement class's
+        ``forward_oot``)."""
+        if self.forward_method_name not in _KERNEL_METHODS:
+            return self.weight
         if self._kernel is None:
             kernel = CustomOp.get_kernel("quantized_linear")
             if kernel is None:
@@ -127,6 +140,8 @@ class QuantizedLinear(CustomOp):
         that a layer computing only through that kernel holds its weights once; False, and nothing
         freed, where no kernel prepared one. Afterwards ``weight`` is None and ``forward_native``
         cannot run (the kernel still does)."""
+        if self.forward_method_name not in _KERNEL_METHODS:
+            return False
         self.kernel_weight()
         if self._kernel is None or self._prepared is self.weight:
             return False
