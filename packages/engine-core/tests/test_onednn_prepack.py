@@ -22,6 +22,18 @@ def _live_envs():
 PROMPTS = [[5, 17, 900, 3, 42, 999, 0], list(range(100, 140))]
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# oneDNN's bf16 reorder needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; an AVX2-only CPU has neither
+BF16_PACKS = {"avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags() or "avx_ne_convert" in _cpu_flags()
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
@@ -53,9 +65,10 @@ def test_prepacked_model_equals_f_linear(name, dtype, model_dirs, monkeypatch):
     dense = _load(model_dirs[name], dtype, False, monkeypatch)
     packed = _load(model_dirs[name], dtype, True, monkeypatch)
     linears = [m for m in packed.modules() if isinstance(m, LinearBase)]
-    assert linears and all(m.weight.is_mkldnn for m in linears)
+    packs = dtype == "float32" or BF16_PACKS  # elsewhere the bf16 weights stay dense (F.linear)
+    assert linears and all(m.weight.is_mkldnn == packs for m in linears)
     assert not any(m.weight.is_mkldnn for m in dense.modules() if isinstance(m, LinearBase))
-    assert packed.logits_processor.packed_head is not None and dense.logits_processor.packed_head is None
+    assert (packed.logits_processor.packed_head is not None) == packs and dense.logits_processor.packed_head is None
     # state_dict() shows the dense weights, exactly the loaded ones
     want, got = dense.state_dict(), packed.state_dict()
     assert want.keys() == got.keys()
@@ -108,7 +121,9 @@ def test_this_torch_packs():
 
 
 def test_only_cpu_float32_and_bfloat16_are_packed():
-    """oneDNN's fp16 GEMM needs AVX512-FP16: fp16 weights (a platform may allow them) stay dense."""
-    assert onednn.enabled_for(torch.zeros(4, 4)) and onednn.enabled_for(torch.zeros(4, 4, dtype=torch.bfloat16))
+    """oneDNN's fp16 GEMM needs AVX512-FP16: fp16 weights (a platform may allow them) stay dense;
+    bf16 weights are packed where this CPU has the instructions oneDNN's bf16 reorder needs."""
+    assert onednn.enabled_for(torch.zeros(4, 4))
+    assert onednn.enabled_for(torch.zeros(4, 4, dtype=torch.bfloat16)) == BF16_PACKS
     assert not onednn.enabled_for(torch.zeros(4, 4, dtype=torch.float16))
     assert not onednn.enabled_for(torch.zeros(4, 4, device="meta"))
