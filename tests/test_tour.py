@@ -57,7 +57,8 @@ def test_general_plugins_ran_once(tour, expected_platform, has_model_plugin):
     plugins = tour["general_plugins"]
     if expected_platform == "dummy":
         assert plugins["dummy_custom_ops"] == {"status": "loaded", "calls": 1}
-        assert tour["op_registry_oot"] == {"RotaryEmbedding": "DummyRotaryEmbedding"}
+        assert tour["op_registry_oot"] == {"RotaryEmbedding": "DummyRotaryEmbedding",
+                                           "QuantizedLinear": "DummyQuantizedLinear"}
     else:
         assert tour["op_registry_oot"] == {}
     if has_model_plugin:
