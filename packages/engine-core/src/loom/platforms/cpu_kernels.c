@@ -614,8 +614,107 @@ static void q4_range_##KIND##_##R(const void *x, int64_t xs, int xsize, const fl
 /* the portable tile ignores GC and takes one output at a time */
 #define Q4_TILE_C_ANY(NAME, R, OB, GC) Q4_TILE_C(NAME, R)
 
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+static inline float q4_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+/* As Q4_TILE_F on AVX2 (eight lanes): a block of 2h codes (h = 32, or 16 for the last 32) is h
+ * bytes, code c + j in byte j's low nibble and c + h + j in its high one. Eight bytes at a time
+ * widened to ints (vpmovzxbd) give eight low and eight high codes, summed into their own
+ * accumulators (two independent FMA chains: tl, and thb for this block's high half); a group
+ * ends after a block's low half or after the block (G a multiple of 32), and its sums are scaled
+ * then (th carries the earlier blocks' high halves of a group still going); the zero term after
+ * the loop. */
+#define Q4_TILE_F8(NAME, R, OB, GC)                                                                \
+static void NAME(const void *xv, int64_t xs, const float *X, int64_t K, int64_t group,             \
+                 const uint8_t *q, const void *scalev, const void *zerov, float *res) {            \
+    const float *x = xv, *scale = scalev, *zero = zerov;                                           \
+    const int64_t G = GC ? GC : group, ng = K / G, kb = K / 2;                                     \
+    const __m256i m15 = _mm256_set1_epi32(15);                                                     \
+    __m256 acc[OB][R], tl[OB][R], th[OB][R], thb[OB][R];                                           \
+    for (int oo = 0; oo < OB; oo++)                                                                \
+        for (int r = 0; r < R; r++) acc[oo][r] = tl[oo][r] = th[oo][r] = thb[oo][r] = _mm256_setzero_ps(); \
+    for (int64_t c = 0; c < K; c += 64) {                                                          \
+        const int64_t h = c + 64 <= K ? 32 : 16;                                                   \
+        for (int oo = 0; oo < OB; oo++) __builtin_prefetch(q + oo * kb + c / 2 + Q4_PREFETCH);     \
+        for (int64_t j = 0; j < h; j += 8) {                                                       \
+            for (int oo = 0; oo < OB; oo++) {                                                      \
+                const __m256i b = _mm256_cvtepu8_epi32(                                            \
+                    _mm_loadl_epi64((const __m128i *)(q + oo * kb + c / 2 + j)));                  \
+                const __m256 wl = _mm256_cvtepi32_ps(_mm256_and_si256(b, m15));                    \
+                const __m256 wh = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));                     \
+                for (int r = 0; r < R; r++) {                                                      \
+                    tl[oo][r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(x + r * xs + c + j), tl[oo][r]); \
+                    thb[oo][r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(x + r * xs + c + h + j), thb[oo][r]); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        if ((c + h) % G == 0) { /* the low half ends its group (with what th held of it before) */ \
+            for (int oo = 0; oo < OB; oo++) {                                                      \
+                const __m256 sc = _mm256_set1_ps(scale[oo * ng + c / G]);                          \
+                for (int r = 0; r < R; r++) {                                                      \
+                    acc[oo][r] = _mm256_fmadd_ps(_mm256_add_ps(tl[oo][r], th[oo][r]), sc, acc[oo][r]); \
+                    tl[oo][r] = th[oo][r] = _mm256_setzero_ps();                                   \
+                }                                                                                  \
+            }                                                                                      \
+            if ((c + 2 * h) % G == 0) { /* and the high half the next one */                       \
+                for (int oo = 0; oo < OB; oo++) {                                                  \
+                    const __m256 sc = _mm256_set1_ps(scale[oo * ng + (c + h) / G]);                \
+                    for (int r = 0; r < R; r++) {                                                  \
+                        acc[oo][r] = _mm256_fmadd_ps(thb[oo][r], sc, acc[oo][r]);                  \
+                        thb[oo][r] = _mm256_setzero_ps();                                          \
+                    }                                                                              \
+                }                                                                                  \
+            } else {                                                                               \
+                for (int oo = 0; oo < OB; oo++)                                                    \
+                    for (int r = 0; r < R; r++) {                                                  \
+                        th[oo][r] = thb[oo][r];                                                    \
+                        thb[oo][r] = _mm256_setzero_ps();                                          \
+                    }                                                                              \
+            }                                                                                      \
+        } else if ((c + 2 * h) % G == 0) { /* the block ends the group it lies in */               \
+            for (int oo = 0; oo < OB; oo++) {                                                      \
+                const __m256 sc = _mm256_set1_ps(scale[oo * ng + c / G]);                          \
+                for (int r = 0; r < R; r++) {                                                      \
+                    acc[oo][r] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(tl[oo][r], th[oo][r]), thb[oo][r]), \
+                                                 sc, acc[oo][r]);                                  \
+                    tl[oo][r] = th[oo][r] = thb[oo][r] = _mm256_setzero_ps();                      \
+                }                                                                                  \
+            }                                                                                      \
+        } else { /* the group goes on: keep the high half's sums with the rest of it */            \
+            for (int oo = 0; oo < OB; oo++)                                                        \
+                for (int r = 0; r < R; r++) {                                                      \
+                    th[oo][r] = _mm256_add_ps(th[oo][r], thb[oo][r]);                              \
+                    thb[oo][r] = _mm256_setzero_ps();                                              \
+                }                                                                                  \
+        }                                                                                          \
+    }                                                                                              \
+    for (int oo = 0; oo < OB; oo++) {                                                              \
+        const float *so = scale + oo * ng, *zo = zero + oo * ng;                                   \
+        for (int r = 0; r < R; r++) {                                                              \
+            const float *Xr = X + r * ng;                                                          \
+            __m256 zt = _mm256_setzero_ps();                                                       \
+            int64_t gg = 0;                                                                        \
+            for (; gg + 8 <= ng; gg += 8)                                                          \
+                zt = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_loadu_ps(so + gg), _mm256_set1_ps(-8.0f), \
+                                                     _mm256_loadu_ps(zo + gg)),                    \
+                                     _mm256_loadu_ps(Xr + gg), zt);                                \
+            float z = q4_hsum8(_mm256_add_ps(acc[oo][r], zt));                                     \
+            for (; gg < ng; gg++) z += (zo[gg] - 8.0f * so[gg]) * Xr[gg];                          \
+            res[oo * R + r] = z;                                                                   \
+        }                                                                                          \
+    }                                                                                              \
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define Q4_TILE_FX Q4_TILE_F
+#define Q4_OB1 4
+#define Q4_OBN 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define Q4_TILE_FX Q4_TILE_F8
 #define Q4_OB1 4
 #define Q4_OBN 2
 #else
