@@ -312,16 +312,21 @@ def test_q4_linear_odd_chunks_and_other_groups(k, dtype, kdim, group):
 
 
 def test_q4_linear_bf16_uses_exactly_the_bf16_rounded_scales(k):
-    """Against the bf16-rounded weight the bf16 kernel is as close as the sums' order and the
-    output's rounding allow; against the unrounded one it is not (the scales' rounding shows)."""
+    """The bf16 kernel's outputs are the bf16 roundings of the reference with bf16-rounded scales
+    and zeros (all but the odd one where the sums' order tips a rounding), and not those of the
+    unrounded weight (about half of them differ: the scales' rounding shows). Over 40 seeds of x
+    the first fraction was never below 0.99 and the second never above 0.65 (max errors, compared
+    before, overlapped: the outputs' own bf16 rounding is as large as the scales')."""
     q, scale, zero, packed = _q4_weight(256, 1536, 32, seed=5, dtype=torch.bfloat16)
-    x = torch.randn(1, 1536).bfloat16()
+    x = torch.randn(1, 1536, generator=torch.Generator().manual_seed(3)).bfloat16()
     got = k.q4_linear(x, packed).float()
     want = _q4_reference(x, q, scale, zero, 32)
     torch.testing.assert_close(got, want.bfloat16().float(), rtol=8e-3, atol=1e-3 * want.abs().max().item())
     n, kdim = q.shape
     exact = F.linear(x.float(), ((q.float() - 8).view(n, 48, 32) * scale[..., None] + zero[..., None]).view(n, kdim))
-    assert (got - want).abs().max() < (got - exact).abs().max()
+    same_as_rounded = (got == want.bfloat16().float()).float().mean().item()
+    same_as_exact = (got == exact.bfloat16().float()).float().mean().item()
+    assert same_as_rounded >= 0.95 and same_as_exact <= 0.8, (same_as_rounded, same_as_exact)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
