@@ -46,7 +46,8 @@ class DummyQuantizedLinear(QuantizedLinear):
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__(weight, dtype)
-        self.layout = weight.dequantize(dtype)
+        # only where forward_oot runs (--custom-ops -quantized_linear picks forward_native)
+        self.layout = weight.dequantize(dtype) if self.forward_method_name == "forward_oot" else None
 
     def forward_oot(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = F.linear(x.to(self.dtype), self.layout, None if bias is None else bias.to(self.dtype))

@@ -163,7 +163,7 @@ class CpuQuantizedWeight:
 
     The codes: 4-bit ones packed for the C kernel (``cpu_kernels.pack_q4``: two codes a byte,
     scale and zero as bf16 pairs for bf16 activations), else torch's int4 layout where the C
-    kernels are unavailable; 8-bit ones as they are, for the C 8-bit kernel."""
+    kernels are unavailable; 8-bit ones as they are, for the C 8-bit kernel (where it builds)."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         # here, not at the top: the platform module imports the kernels' build machinery
@@ -184,7 +184,7 @@ class CpuQuantizedWeight:
             # (in / group, out, 2): per group and output, the scale and the zero, in the activations' dtype
             scales_and_zeros = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).to(dtype).contiguous()
             self.int4 = (packed, scales_and_zeros)
-        elif weight.bits == 8:
+        elif weight.bits == 8 and kernels() is not None:
             self.codes = weight
         self._weight, self.dtype = weight, dtype
         self._dense: torch.Tensor | None = None
@@ -192,12 +192,7 @@ class CpuQuantizedWeight:
     @property
     def reads_codes(self) -> bool:
         """Whether a few rows multiply through the codes here (else through the dense copy)."""
-        if self.q4 is not None or self.int4 is not None:
-            return True
-        # here, not at the top: as in __init__
-        from ..platforms.cpu_kernels import kernels
-
-        return self.codes is not None and kernels() is not None
+        return self.q4 is not None or self.int4 is not None or self.codes is not None
 
     @property
     def dense(self) -> torch.Tensor:
@@ -242,10 +237,8 @@ class CpuQuantizedWeight:
             # here, not at the top: the platform module imports the kernels' build machinery
             from ..platforms.cpu_kernels import kernels
 
-            k = kernels()
-            if k is not None:
-                c = self.codes
-                return k.q8_linear(x, c.qweight, c.scale, c.zero, c.group_size)
+            c = self.codes
+            return kernels().q8_linear(x, c.qweight, c.scale, c.zero, c.group_size)
         return None
 
 

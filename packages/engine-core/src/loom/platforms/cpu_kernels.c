@@ -620,13 +620,21 @@ static inline float q4_hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+/* the sums of group g (tl and th) scaled into the accumulators */
+#define Q4_FLUSH8(OB, R, g)                                                                        \
+    for (int oo = 0; oo < OB; oo++) {                                                              \
+        const __m256 sc = _mm256_set1_ps(scale[oo * ng + (g)]);                                    \
+        for (int r = 0; r < R; r++) {                                                              \
+            acc[oo][r] = _mm256_fmadd_ps(_mm256_add_ps(tl[oo][r], th[oo][r]), sc, acc[oo][r]);     \
+            tl[oo][r] = th[oo][r] = _mm256_setzero_ps();                                           \
+        }                                                                                          \
+    }
 /* As Q4_TILE_F on AVX2 (eight lanes): a block of 2h codes (h = 32, or 16 for the last 32) is h
  * bytes, code c + j in byte j's low nibble and c + h + j in its high one. Eight bytes at a time
  * widened to ints (vpmovzxbd) give eight low and eight high codes, summed into their own
  * accumulators (two independent FMA chains: tl, and thb for this block's high half); a group
- * ends after a block's low half or after the block (G a multiple of 32), and its sums are scaled
- * then (th carries the earlier blocks' high halves of a group still going); the zero term after
- * the loop. */
+ * ends after a block's low half or after the block (G a multiple of 32): its sums (tl, and th for
+ * the high halves) are scaled then; the zero term after the loop. */
 #define Q4_TILE_F8(NAME, R, OB, GC)                                                                \
 static void NAME(const void *xv, int64_t xs, const float *X, int64_t K, int64_t group,             \
                  const uint8_t *q, const void *scalev, const void *zerov, float *res) {            \
@@ -651,45 +659,13 @@ static void NAME(const void *xv, int64_t xs, const float *X, int64_t K, int64_t 
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        if ((c + h) % G == 0) { /* the low half ends its group (with what th held of it before) */ \
-            for (int oo = 0; oo < OB; oo++) {                                                      \
-                const __m256 sc = _mm256_set1_ps(scale[oo * ng + c / G]);                          \
-                for (int r = 0; r < R; r++) {                                                      \
-                    acc[oo][r] = _mm256_fmadd_ps(_mm256_add_ps(tl[oo][r], th[oo][r]), sc, acc[oo][r]); \
-                    tl[oo][r] = th[oo][r] = _mm256_setzero_ps();                                   \
-                }                                                                                  \
+        if ((c + h) % G == 0) Q4_FLUSH8(OB, R, c / G) /* the low half ends its group */           \
+        for (int oo = 0; oo < OB; oo++)     /* the high half joins the group it lies in */          \
+            for (int r = 0; r < R; r++) {                                                          \
+                th[oo][r] = _mm256_add_ps(th[oo][r], thb[oo][r]);                                  \
+                thb[oo][r] = _mm256_setzero_ps();                                                  \
             }                                                                                      \
-            if ((c + 2 * h) % G == 0) { /* and the high half the next one */                       \
-                for (int oo = 0; oo < OB; oo++) {                                                  \
-                    const __m256 sc = _mm256_set1_ps(scale[oo * ng + (c + h) / G]);                \
-                    for (int r = 0; r < R; r++) {                                                  \
-                        acc[oo][r] = _mm256_fmadd_ps(thb[oo][r], sc, acc[oo][r]);                  \
-                        thb[oo][r] = _mm256_setzero_ps();                                          \
-                    }                                                                              \
-                }                                                                                  \
-            } else {                                                                               \
-                for (int oo = 0; oo < OB; oo++)                                                    \
-                    for (int r = 0; r < R; r++) {                                                  \
-                        th[oo][r] = thb[oo][r];                                                    \
-                        thb[oo][r] = _mm256_setzero_ps();                                          \
-                    }                                                                              \
-            }                                                                                      \
-        } else if ((c + 2 * h) % G == 0) { /* the block ends the group it lies in */               \
-            for (int oo = 0; oo < OB; oo++) {                                                      \
-                const __m256 sc = _mm256_set1_ps(scale[oo * ng + c / G]);                          \
-                for (int r = 0; r < R; r++) {                                                      \
-                    acc[oo][r] = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(tl[oo][r], th[oo][r]), thb[oo][r]), \
-                                                 sc, acc[oo][r]);                                  \
-                    tl[oo][r] = th[oo][r] = thb[oo][r] = _mm256_setzero_ps();                      \
-                }                                                                                  \
-            }                                                                                      \
-        } else { /* the group goes on: keep the high half's sums with the rest of it */            \
-            for (int oo = 0; oo < OB; oo++)                                                        \
-                for (int r = 0; r < R; r++) {                                                      \
-                    th[oo][r] = _mm256_add_ps(th[oo][r], thb[oo][r]);                              \
-                    thb[oo][r] = _mm256_setzero_ps();                                              \
-                }                                                                                  \
-        }                                                                                          \
+        if ((c + 2 * h) % G == 0) Q4_FLUSH8(OB, R, (c + 2 * h) / G - 1) /* the block ends one */  \
     }                                                                                              \
     for (int oo = 0; oo < OB; oo++) {                                                              \
         const float *so = scale + oo * ng, *zo = zero + oo * ng;                                   \
