@@ -162,6 +162,39 @@ def test_a_body_of_the_wrong_shape_is_an_error_naming_the_struct() -> None:
         messages.decode_body("NOPE", wire)
 
 
+@pytest.mark.parametrize("tp", ALL_STRUCTS, ids=lambda t: t.__qualname__)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_field_of_the_wrong_type_is_an_error_naming_it(tp: type, data: st.DataObject) -> None:
+    """Every body is type-checked when decoded: a peer's bad value is refused at the door, naming the field."""
+    wire = msgpack.unpackb(codec.encode(data.draw(strategy(tp), label=tp.__qualname__)), strict_map_key=False)
+    hints = typing.get_type_hints(tp)
+    for i, f in enumerate(f for f in dataclasses.fields(tp) if f.init):
+        is_dict = typing.get_origin(hints[f.name]) is dict
+        for bad in (["not a dict"] if is_dict else [{"x": 1}, [{"x": 1}]]):
+            if bad == [{"x": 1}] and typing.get_origin(hints[f.name]) is not list:
+                continue
+            if bad == [{"x": 1}] and dataclasses.is_dataclass(typing.get_args(hints[f.name])[0]):
+                bad = [["not", "a", "struct", "of", "this", "size", "at", "all", "!"]]
+            forged = [*wire[:i], bad, *wire[i + 1:]]
+            with pytest.raises(ValueError, match=rf"^{tp.__name__}\.{f.name}: "):
+                codec.decode(tp, msgpack.packb(forged))
+
+
+def test_wrong_types_that_python_would_coerce_are_refused() -> None:
+    add = messages.AddRequest(request_id="r", prompt=None, prompt_token_ids=[1, 2], sampling_params=SamplingParams())
+    wire = msgpack.unpackb(codec.encode(add))
+    for i, bad, field in [(2, "abc", "prompt_token_ids"), (2, [1, True], "prompt_token_ids"), (0, 5, "request_id"),
+                          (4, 1, "stream")]:
+        with pytest.raises(ValueError, match=rf"^AddRequest\.{field}: expected"):
+            codec.decode(messages.AddRequest, msgpack.packb([*wire[:i], bad, *wire[i + 1:]]))
+    with pytest.raises(ValueError, match=r"^AbortRequests\.request_ids: expected list, got int 5"):
+        messages.decode_body(messages.Kind.ABORT, msgpack.packb([5]))
+    wire[3][0] = -5  # the struct's own check: SamplingParams.n >= 1
+    with pytest.raises(ValueError, match=r"^AddRequest\.sampling_params: SamplingParams: n must be >= 1"):
+        codec.decode(messages.AddRequest, msgpack.packb(wire))
+
+
 def test_a_subclass_of_a_message_travels_as_its_base() -> None:
     class PlatformOutput(ModelRunnerOutput):
         pass

@@ -94,7 +94,8 @@ def make_engine(
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
         ),
-        model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=SimpleNamespace(eos_token_id=EOS)),
+        model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=SimpleNamespace(eos_token_id=EOS),
+                                     get_vocab_size=lambda: 50257),
     )
     return LLMEngine(config, FakeExecutor(num_blocks), tokenizer)
 
@@ -284,23 +285,79 @@ class FailingExecutor(FakeExecutor):
         return super().execute_model(out)
 
 
-def test_failed_step_aborts_its_requests_and_the_engine_goes_on():
-    prompts = random_prompts(3, seed=5, lo=9, hi=12, shared=8)  # a shared, cacheable prefix
+def test_failed_step_of_one_request_aborts_it_and_the_engine_goes_on():
+    prompts = random_prompts(2, seed=5, lo=9, hi=12, shared=8)  # a shared, cacheable prefix
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    (reference,) = generate(make_engine(), [prompts[2]], params)
+    (reference,) = generate(make_engine(), [prompts[1]], params)
     engine = make_engine()
     engine.executor = FailingExecutor(engine.executor.num_blocks, fail_at_step=1)
-    engine.scheduler.block_manager.num_blocks = engine.executor.num_blocks
-    for i, p in enumerate(prompts[:2]):
-        engine.add_request(str(i), None, p, params)
-    with pytest.raises(EngineStepError, match=r"device lost.*\['0', '1'\]"):
+    engine.add_request("0", None, prompts[0], params)
+    with pytest.raises(EngineStepError, match=r"model step failed \(RuntimeError: device lost\)") as info:
         engine.step()
+    assert info.value.request_ids == ["0"]
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.block_manager.usage == 0
     # The prefix the failed step was to fill must not be served from the cache now.
     assert engine.scheduler.block_manager.cached == {}
-    outs = generate(engine, [prompts[2]], params)
+    outs = generate(engine, [prompts[1]], params)
     assert token_ids(outs) == token_ids([reference])
+
+
+def test_a_failed_step_of_several_requests_is_rerun_one_at_a_time():
+    """A transient failure: every request of the step runs alone once, then all go on together."""
+    prompts = random_prompts(4, seed=5, lo=9, hi=12, shared=8)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    reference = generate(make_engine(), prompts, params)
+    engine = make_engine()
+    engine.executor = FailingExecutor(engine.executor.num_blocks, fail_at_step=3)  # mid-decode
+    outs = generate(engine, prompts, params)  # no error reaches anyone
+    assert token_ids(outs) == token_ids(reference)
+    assert engine.scheduler.block_manager.usage == 0 and not engine.scheduler.suspects
+
+
+class PoisonExecutor(FakeExecutor):
+    """Every step that holds a request seeded 666 fails: a request whose parameters break the worker."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.poisoned: set[str] = set()
+        self.batch_sizes: list[int] = []
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.poisoned |= {n.req_id for n in out.new_requests if n.sampling_params.seed == 666}
+        self.batch_sizes.append(len(out.scheduled))
+        if any(r.req_id in self.poisoned for r in out.scheduled):
+            for req_id in out.finished_req_ids:  # the worker saw the step's bookkeeping before failing
+                self.seeds.pop(req_id, None)
+                self.positions.pop(req_id, None)
+            raise OverflowError("Python int too large to convert to C long")
+        return super().execute_model(out)
+
+
+@pytest.mark.parametrize("poison_at", [0, 2, 4])
+def test_a_request_that_breaks_the_step_fails_alone(poison_at):
+    prompts = random_prompts(5, seed=9, lo=4, hi=40, shared=6)
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, n=2 if i == 1 else 1, seed=i) for i in range(5)]
+    reference = generate(make_engine(budget=48), prompts, params)
+    engine = make_engine(budget=48)  # some prompts take two chunks
+    engine.executor = PoisonExecutor(engine.executor.num_blocks)
+    params[poison_at] = SamplingParams(max_tokens=8, ignore_eos=True, seed=666)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), None, p, sp)
+    done, failed = {}, []
+    while engine.has_unfinished_requests():
+        try:
+            for out in engine.step():
+                done[out.request_id] = out
+        except EngineStepError as e:
+            failed.append((e.request_ids, str(e)))
+    assert failed == [([str(poison_at)], "model step failed (OverflowError: Python int too large to convert to "
+                                         "C long)")]  # names no other request
+    innocent = [i for i in range(5) if i != poison_at]
+    assert sorted(done) == [str(i) for i in innocent]
+    assert [token_ids([done[str(i)]]) for i in innocent] == [token_ids([reference[i]]) for i in innocent]
+    assert 1 in engine.executor.batch_sizes and max(engine.executor.batch_sizes) > 1  # alone, then together
+    assert engine.scheduler.block_manager.usage == 0 and not engine.scheduler.suspects
 
 
 def test_an_add_the_scheduler_refuses_leaves_nothing_behind(monkeypatch):

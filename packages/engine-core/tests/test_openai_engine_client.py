@@ -54,7 +54,8 @@ def make_client(executor: CountingExecutor | None = None, **kwargs) -> InprocAsy
     config = SimpleNamespace(
         cache_config=CacheConfig(block_size=4),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-        model_config=SimpleNamespace(max_model_len=64, hf_config=SimpleNamespace(eos_token_id=7)),
+        model_config=SimpleNamespace(max_model_len=64, hf_config=SimpleNamespace(eos_token_id=7),
+                                     get_vocab_size=lambda: 50257),
     )
     kwargs.setdefault("stat_loggers", [])
     return InprocAsyncLLM(config, executor or CountingExecutor(), None, **kwargs)

@@ -37,6 +37,10 @@ class ServerConfig:
     chat_template: str | None = flag(
         None, help="chat template for /v1/chat/completions instead of the tokenizer's: the path of a "
                    "Jinja file, or the template itself")
+    max_n: int = flag(128, type=positive_int, help="completions one request may ask for: n times its prompts "
+                                                  "(default 128)")
+    max_request_body_bytes: int = flag(8 * 2**20, type=positive_int,
+                                       help="largest request body in bytes; larger ones get 413 (default 8 MiB)")
     stream_interval: int = flag(
         1, type=positive_int, help="tokens per streamed event at least (default 1: every token); larger "
                                    "values send fewer, larger SSE events when many streams share a small machine")

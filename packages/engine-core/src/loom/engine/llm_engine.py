@@ -37,6 +37,7 @@ class LLMEngine:
         cache_config = config.cache_config
         cache_config.num_blocks = executor.num_blocks
         self.max_model_len = config.model_config.max_model_len
+        self.vocab_size = config.model_config.get_vocab_size()
         self.block_manager = BlockManager(
             executor.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -113,6 +114,15 @@ class LLMEngine:
                 f"prompt of {num} tokens exceeds --max-num-batched-tokens {sched.max_num_batched_tokens} "
                 "with chunked prefill off; shorten it, raise the budget or enable chunked prefill"
             )
+        vocab = self.vocab_size
+        if not all(type(t) is int and 0 <= t < vocab for t in prompt_token_ids):
+            bad = [t for t in prompt_token_ids if not (type(t) is int and 0 <= t < vocab)][:5]
+            raise ValueError(f"prompt token ids {bad} are outside the vocabulary [0, {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k must be -1, 0 or at most the vocabulary size {vocab}, got {params.top_k}")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs without one")
 
@@ -148,14 +158,20 @@ class LLMEngine:
         try:
             return self.executor.execute_model(scheduler_output)
         except Exception as e:
-            # The step's requests cannot go on (their KV is incomplete); end them so the
-            # engine keeps serving everyone else, and say which ones were lost.
             parents = (self.output_processor.parent_of(r.req_id) for r in scheduler_output.scheduled)
             failed = sorted({p for p in parents if p is not None})
+            if len(failed) > 1:
+                # One request may have caused it: the scheduler re-runs each alone to find it,
+                # and the others go on (recomputed, as after a preemption).
+                logger.warning("Model step of %d requests failed (%s: %s); running each alone to find the one "
+                               "that caused it", len(failed), type(e).__name__, e)
+                self.scheduler.isolate(r.req_id for r in scheduler_output.scheduled)
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            # The request cannot go on (its KV is incomplete); end it so the engine keeps
+            # serving everyone else. The message goes to its client: no other request in it.
             self.abort_request(failed, invalidate_cache=True)
-            raise EngineStepError(
-                f"model step failed ({type(e).__name__}: {e}); aborted requests {failed}", failed
-            ) from e
+            logger.error("Model step failed for request(s) %s; aborted", failed)
+            raise EngineStepError(f"model step failed ({type(e).__name__}: {e})", failed) from e
 
     # ---- stats and shutdown -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -6,6 +6,12 @@ the token budget ``max_num_batched_tokens`` and ``max_num_seqs`` running request
 Prefill and decode share one step. When blocks run out, the most recently arrived
 running request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed from scratch (prompt and generated tokens alike).
+
+When a model step of several requests fails, one of them may have caused it (parameters
+that validation let through, a kernel bug met by one input): :meth:`Scheduler.isolate`
+preempts every running request and marks the failed step's ones as suspects. Each suspect
+then runs alone, in steps of its own, until it has sampled a token; a suspect whose own
+step fails is the cause and ends with the error, the others go on as if preempted.
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ class Scheduler:
         self.finished_req_ids: list[str] = []
         """Freed since the last schedule(); the next SchedulerOutput tells the workers."""
         self.num_preemptions = 0
+        self.suspects: set[str] = set()
+        """Requests of a failed step that must run alone until they sample (see isolate)."""
+        self.isolated: Request | None = None
+        """The suspect running alone now."""
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,6 +99,26 @@ class Scheduler:
         self.block_manager.free(request, invalidate_cache)
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
+        self.suspects.discard(request.request_id)
+        if self.isolated is request:
+            self.isolated = None
+
+    def isolate(self, req_ids: Iterable[str]) -> None:
+        """A step of ``req_ids`` failed: run each of them alone until it samples, to find the one at fault.
+
+        Every running request is preempted (the failed step's blocks may be half written, so
+        they are dropped from the prefix cache too) and recomputed when it runs again.
+        """
+        suspects = [r for r in req_ids if r in self.requests]
+        for req in sorted(self.running, key=_arrival, reverse=True):
+            self.block_manager.free(req, invalidate=req.request_id in suspects)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            self.waiting.appendleft(req)
+            self.num_preemptions += 1
+        self.running = []
+        self.isolated = None
+        self.suspects.update(suspects)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -103,6 +133,8 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.suspects:
+            return self._schedule_alone()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []
@@ -134,21 +166,56 @@ class Scheduler:
             if not self.block_manager.allocate_slots(req, num_new, computed_blocks):
                 break
             self.waiting.popleft()
-            if req.status == RequestStatus.WAITING:
-                req.num_cached_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_cached
-            bisect.insort(running, req, key=_arrival)
-            # Sent again after a preemption: the workers start the request over.
-            new_requests.append(NewRequestData(
-                req_id=req.request_id, sampling_params=req.sampling_params, prompt_len=req.num_prompt_tokens,
-                prompt_token_ids=req.prompt_token_ids, eos_token_id=req.eos_token_id,
-            ))
+            new_requests.append(self._admit(req, num_cached))
             scheduled.append(self._schedule(req, num_new))
             budget -= num_new
 
         finished, self.finished_req_ids = self.finished_req_ids, []
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled, finished_req_ids=finished)
+
+    def _admit(self, req: Request, num_cached: int) -> NewRequestData:
+        """A waiting request starts running (blocks allocated); what the workers are told of it."""
+        if req.status == RequestStatus.WAITING:
+            req.num_cached_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_cached
+        bisect.insort(self.running, req, key=_arrival)
+        # Sent again after a preemption: the workers start the request over.
+        return NewRequestData(
+            req_id=req.request_id, sampling_params=req.sampling_params, prompt_len=req.num_prompt_tokens,
+            prompt_token_ids=req.prompt_token_ids, eos_token_id=req.eos_token_id,
+        )
+
+    def _schedule_alone(self) -> SchedulerOutput:
+        """One suspect in the step, nothing else (see isolate)."""
+        new_requests = []
+        req = self.isolated
+        if req is None:
+            req = next((r for r in self.waiting if r.request_id in self.suspects), None)
+            if req is None:  # cannot happen: suspects wait until they run alone; never stall on it
+                logger.error("suspects %s are not waiting; scheduling them normally", sorted(self.suspects))
+                self.suspects.clear()
+                return self.schedule()
+            computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, self.max_num_batched_tokens)
+            self._make_room(req, num_new, computed_blocks)
+            self.waiting.remove(req)
+            new_requests.append(self._admit(req, num_cached))
+            self.isolated = req
+        else:
+            num_new = min(req.num_tokens - req.num_computed_tokens, self.max_num_batched_tokens)
+            self._make_room(req, num_new)
+        scheduled = [self._schedule(req, num_new)]
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        return SchedulerOutput(new_requests=new_requests, scheduled=scheduled, finished_req_ids=finished)
+
+    def _make_room(self, req: Request, num_new: int, computed_blocks: list | None = None) -> None:
+        """Allocate for the isolated request, preempting the others that ran alone before it."""
+        args = () if computed_blocks is None else (computed_blocks,)
+        while not self.block_manager.allocate_slots(req, num_new, *args):
+            victim = next(r for r in reversed(self.running) if r is not req)  # alone, any request fits
+            self.running.remove(victim)
+            self._preempt(victim)
 
     def _allocate_or_preempt(self, req: Request, num_new: int) -> bool:
         """Allocate for a running request, preempting from the tail until it fits.
@@ -206,6 +273,9 @@ class Scheduler:
             if req is None:  # aborted while the step ran
                 continue
             token_id = model_runner_output.sampled_token_ids[k]
+            if req is self.isolated:  # it ran alone and sampled: not the one at fault
+                self.suspects.discard(req_id)
+                self.isolated = None
             req.append_output_token(token_id)
             if logprobs is not None:
                 lp = logprobs[k]

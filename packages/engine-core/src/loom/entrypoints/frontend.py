@@ -28,6 +28,7 @@ from ..logger import init_logger
 from ..platforms import current_platform  # noqa: F401 - importing it resolves the platform, before any plugin
 from ..transformers_utils.tokenizer import get_tokenizer
 from .openai import build_app, serve_http
+from .openai.limits import RequestLimits
 
 logger = init_logger("loom.frontend")
 
@@ -62,8 +63,9 @@ async def _serve(config: LoomConfig, tokenizer: Any, channel: Channel, server: S
         on_shutdown=lambda: loop.call_soon_threadsafe(shutdown_event.set),
     )
     client.stream_interval = server.stream_interval
+    limits = RequestLimits(max_n=server.max_n, max_request_body_bytes=server.max_request_body_bytes)
     app = build_app(client, config.model_config.served_model_name, api_key=server.api_key,
-                    chat_template=server.chat_template)
+                    chat_template=server.chat_template, limits=limits)
     envs.enable_envs_cache()
     await serve_http(app, server.host, server.port, ready_callback=lambda host, port: part_ready("http"),
                      shutdown_event=shutdown_event, grace_period=server.grace_period)

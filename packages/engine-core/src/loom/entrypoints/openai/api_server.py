@@ -1,8 +1,9 @@
 """The FastAPI app of the OpenAI-compatible server, built on any :class:`EngineClient`.
 
 ``build_app`` adds the OpenAI routes, ``/health``, ``/version`` and ``/metrics``, the API-key
-check on ``/v1/*``, OpenAI-shaped error bodies for every failure, and finally the routes of
-the ``loom.endpoint_plugins`` group (each a ``(app) -> None``), once per app.
+check on ``/v1/*``, the request-body size limit, OpenAI-shaped error bodies for every
+failure, and finally the routes of the ``loom.endpoint_plugins`` group (each a
+``(app) -> None``), once per app.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from ... import __version__
 from ...engine.client import EngineClient
 from ...logger import init_logger
 from ...metrics import ServerMetrics
+from .limits import BodySizeLimitMiddleware, RequestLimits
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
-from .serving_engine import APIError
+from .serving_engine import APIError, tokenizer_executor
 
 logger = init_logger(__name__)
 
@@ -43,14 +45,17 @@ def build_app(
     *,
     chat_template: str | None = None,
     endpoint_plugins: Mapping[str, Callable[[FastAPI], None]] | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """The server's app. ``endpoint_plugins=None`` loads the ``loom.endpoint_plugins`` group."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name is empty; give at least one name")
+    limits = limits or RequestLimits()
     metrics = ServerMetrics(names[0])
-    completion = OpenAIServingCompletion(engine_client, names, metrics)
-    chat = OpenAIServingChat(engine_client, names, metrics, chat_template)
+    executor = tokenizer_executor()  # one tokenizing thread for both endpoints
+    completion = OpenAIServingCompletion(engine_client, names, metrics, limits=limits, executor=executor)
+    chat = OpenAIServingChat(engine_client, names, metrics, chat_template, limits=limits, executor=executor)
     app = FastAPI(title="loom", version=__version__)
     app.state.engine_client = engine_client
     app.state.metrics = metrics
@@ -67,10 +72,11 @@ def build_app(
     @app.get("/v1/models")
     async def show_models() -> ModelList:
         config = engine_client.config.model_config
-        return ModelList(data=[ModelCard(id=name, root=config.model_path, max_model_len=config.max_model_len)
+        # root is the served name: the model's path on the server's disk is not the client's business
+        return ModelList(data=[ModelCard(id=name, root=names[0], max_model_len=config.max_model_len)
                                for name in names])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         dead = engine_client.dead_error
         if dead is not None:
@@ -91,6 +97,7 @@ def build_app(
 
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, limit=limits.max_request_body_bytes)
     apply_endpoint_plugins(app, endpoint_plugins)
     return app
 
@@ -158,21 +165,41 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         if "json" not in request.headers.get("content-type", ""):
             return APIError("the body must be JSON, sent with 'Content-Type: application/json'").response()
-        errors = exc.errors()
-        parts, param = [], None
-        for err in errors[:5]:
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        parts, param, fields = [], None, set()
+        for err in exc.errors():
             if err.get("type") == "json_invalid":
                 parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
                 continue
-            param = param or ".".join(loc) or None
-            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+            loc = _field_path(err.get("loc", ()))
+            field = loc[0] if loc else "body"
+            if field in fields:  # a union's other members failed too: their errors say nothing new
+                continue
+            fields.add(field)
+            param = param or (field if loc else None)
+            parts.append(f"{'.'.join(loc) or 'body'}: {str(err.get('msg')).removeprefix('Value error, ')}")
+            if len(parts) == 5:
+                break
         return APIError("; ".join(parts) or "invalid request", param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(str(exc.detail), status=exc.status_code, type=kind).response()
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc: Sequence[Any]) -> list[str]:
+    """A validation error's location as the client wrote it: field names and list indices, without
+    ``body`` and without the tags pydantic adds for union members (``str``, ``list[int]``, ...)."""
+    path = []
+    for part in loc:
+        text = str(part)
+        if part == "body" and not path or "[" in text or "(" in text or text in _TYPE_TAGS:
+            continue
+        path.append(text)
+    return path
 
 
 class _ApiKeyMiddleware:

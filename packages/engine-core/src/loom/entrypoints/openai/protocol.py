@@ -5,15 +5,21 @@ Requests accept OpenAI's fields plus the sampling extras vLLM's server takes in 
 Fields loom does not know are kept in ``model_extra`` and logged as ignored; fields it knows
 but cannot honour (``logit_bias``, ``suffix``, tools) are rejected with a 400 that says so,
 rather than silently changing the output.
+
+Types are strict: a string or a boolean is not a number (``"max_tokens": "10"`` and
+``"max_tokens": true`` are refused, not coerced), ``"stream": "yes"`` is not a boolean, floats
+must be finite, and text must be valid Unicode (a lone surrogate such as ``"\\ud800"`` cannot
+be tokenized). The limits that depend on the model or the server's flags are checked in
+:mod:`.serving_engine` and :mod:`.limits`.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 # ---- errors --------------------------------------------------------------------------------
 
@@ -34,27 +40,45 @@ class ErrorResponse(BaseModel):
 # ---- requests ------------------------------------------------------------------------------
 
 
+def unicode_text(value: str) -> str:
+    """Refuse text that is not valid Unicode (lone surrogates, which JSON's ``\\uXXXX`` can carry)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text has a lone surrogate {value[e.start]!r} at character {e.start}, which is not "
+                         "valid Unicode; send UTF-8 text") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+"""A string field of a request: valid Unicode."""
+
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **_STRICT)
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: Text | None = None
     # vLLM's sampling extras
     top_k: int | None = None
     min_tokens: int = 0
@@ -68,20 +92,20 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **_STRICT)
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[dict[str, Any]] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -91,7 +115,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's chat extras
     add_generation_prompt: bool = True

@@ -43,8 +43,9 @@ _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine_client: EngineClient, served_model_names: Sequence[str],
-                 metrics: ServerMetrics | None = None, chat_template: str | None = None) -> None:
-        super().__init__(engine_client, served_model_names, metrics)
+                 metrics: ServerMetrics | None = None, chat_template: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(engine_client, served_model_names, metrics, **kwargs)
         self.chat_template = chat_template
         """Overrides the tokenizer's template (``--chat-template``)."""
 
@@ -58,7 +59,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         if request.stream_options is not None and not request.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
-        prompt, prompt_ids = self.render(request)
+        prompt, prompt_ids = await self.render(request)
         if request.max_completion_tokens is not None:
             max_tokens = self.resolve_max_tokens(len(prompt_ids), request.max_completion_tokens,
                                                  "max_completion_tokens")
@@ -97,8 +98,8 @@ class OpenAIServingChat(OpenAIServing):
                             total_tokens=len(prompt_ids) + num_generated),
         )
 
-    def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """The prompt text and its token ids, through the chat template."""
+    async def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt text and its token ids, through the chat template (on the tokenizer's thread)."""
         tokenizer = self.tokenizer
         if self.chat_template is None and getattr(tokenizer, "chat_template", None) is None:
             raise APIError(
@@ -108,8 +109,11 @@ class OpenAIServingChat(OpenAIServing):
         if not request.messages:
             raise APIError("messages is empty; give at least one message", param="messages")
         messages = [_message_dict(m) for m in request.messages]
+        # bounded before the template renders them: the prompt holds every message's content
+        self.check_text_length("".join(m["content"] for m in messages if isinstance(m["content"], str)), "messages")
         try:
-            text = tokenizer.apply_chat_template(
+            text = await self.in_tokenizer_thread(
+                tokenizer.apply_chat_template,
                 messages, tokenize=False, chat_template=self.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
@@ -118,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # jinja2's TemplateError and the template's own raise_exception
             raise APIError(f"the chat template could not render these messages: {type(e).__name__}: {e}",
                            param="messages") from None
-        return text, list(tokenizer.encode(text, add_special_tokens=False))
+        return text, await self.encode(text, "messages", add_special_tokens=False)
 
     async def _stream(self, merged: Prefetched[tuple[int, RequestOutput]], request_id: str, model_name: str,
                       n: int, num_prompt_tokens: int, top_logprobs: int | None,

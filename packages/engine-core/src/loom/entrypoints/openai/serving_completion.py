@@ -63,10 +63,14 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("best_of must equal n (loom returns every sampled completion)", param="best_of")
         if request.stream_options is not None and not request.stream:
             raise APIError("stream_options is only allowed with stream=true", param="stream_options")
-        prompts = self._prompts(request)
+        items = self._prompt_items(request)
+        self.check_limits(request, len(items))
+        prompts = await self._prompts(items)
         echo = None
         if request.echo:
-            echo = _Echo(texts=[text if text is not None else self.tokenizer.decode(ids) for text, ids in prompts],
+            texts = [text if text is not None else await self.in_tokenizer_thread(self.tokenizer.decode, ids)
+                     for text, ids in prompts]
+            echo = _Echo(texts=texts,
                          prompt_token_ids=[ids for _, ids in prompts], only=request.max_tokens == 0,
                          decode=self._decode_token, prompt_logprobs={})
         params = []
@@ -120,7 +124,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    def _prompt_items(self, request: CompletionRequest) -> list[str | list[int]]:
+        """The prompts of a request, each a text or token ids (not tokenized yet)."""
         prompt = request.prompt
         if isinstance(prompt, str):
             items: list = [prompt]
@@ -130,11 +135,17 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(prompt)
         if not items:
             raise APIError("prompt is empty; give a string, a list of strings or token ids", param="prompt")
+        return items
+
+    async def _prompts(self, items: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
         out: list[tuple[str | None, list[int]]] = []
         for item in items:
             if isinstance(item, str):
-                out.append((item, list(self.tokenizer.encode(item))))
+                out.append((item, await self.encode(item, "prompt")))
                 continue
+            if len(item) > self.max_model_len:
+                raise APIError(f"a prompt has {len(item)} token ids, more than this model's maximum context "
+                               f"length of {self.max_model_len} tokens. Shorten it.", param="prompt")
             bad = [t for t in item if not 0 <= t < self.vocab_size]
             if bad:
                 raise APIError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",

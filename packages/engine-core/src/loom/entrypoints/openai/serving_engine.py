@@ -1,11 +1,19 @@
 """What both OpenAI endpoints share: checks that keep bad requests from the engine, sampling
-parameters from a request body, the engine stream with metrics, logprobs in OpenAI shapes."""
+parameters from a request body, the engine stream with metrics, logprobs in OpenAI shapes.
+
+Tokenizing and chat templating run on one thread of their own, never on the event loop: a
+large prompt must not stop ``/health`` or other clients' streams from answering. Before a
+text is tokenized its length is checked against a bound that needs no tokenizing: no token
+of the vocabulary is longer than ``longest_token`` characters, so a text of more than
+``max_model_len * longest_token`` characters has more tokens than the model takes.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -18,6 +26,7 @@ from ...engine.errors import EngineDeadError, EngineError
 from ...logger import init_logger
 from ...metrics import ServerMetrics
 from ...outputs import CompletionOutput, Logprob, RequestOutput
+from .limits import RequestLimits
 from .protocol import ErrorInfo, ErrorResponse, _SamplingRequest
 
 logger = init_logger(__name__)
@@ -69,16 +78,57 @@ class ChoiceState:
     stop_reason: int | str | None = None
 
 
+def tokenizer_executor() -> ThreadPoolExecutor:
+    """The one thread that tokenizes for a server (a tokenizer is not meant for concurrent calls)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-tokenizer")
+
+
+def longest_token(tokenizer: Any) -> int | None:
+    """Characters of the vocabulary's longest token (byte-level BPE: bytes), None without a vocabulary."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    vocab = get_vocab()
+    return max(map(len, vocab), default=None) if vocab else None
+
+
 class OpenAIServing:
     def __init__(self, engine_client: EngineClient, served_model_names: Sequence[str],
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, *, limits: RequestLimits | None = None,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.engine_client = engine_client
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
+        self.limits = limits or RequestLimits()
+        self.executor = executor or tokenizer_executor()
         self.tokenizer = engine_client.tokenizer
         model_config = engine_client.config.model_config
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
+        longest = longest_token(self.tokenizer)
+        self.max_prompt_chars: int | None = None if longest is None else self.max_model_len * max(longest, 1)
+        """A text longer than this has more than max_model_len tokens, whatever they are."""
+
+    # ---- tokenizing off the event loop --------------------------------------------------
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+    def check_text_length(self, text: str, param: str) -> None:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise APIError(
+                f"{param} has {len(text)} characters, more than {self.max_prompt_chars}: that is more than this "
+                f"model's maximum context length of {self.max_model_len} tokens whatever the tokens are. Shorten it.",
+                param=param)
+
+    async def encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        """Token ids of a text, after the checks that need no tokenizing; on the tokenizer's thread."""
+        self.check_text_length(text, param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"{param} has a lone surrogate {text[e.start]!r} at character {e.start}, which is not "
+                           "valid Unicode; send UTF-8 text", param=param) from None
+        return list(await self.in_tokenizer_thread(self.tokenizer.encode, text, **kwargs))
 
     # ---- checks before anything reaches the engine --------------------------------------
     def check_request(self, request: _SamplingRequest) -> str:
@@ -94,9 +144,43 @@ class OpenAIServing:
                            type="service_unavailable")
         if request.logit_bias:
             raise APIError("logit_bias is not supported by loom", param="logit_bias")
-        if request.model_extra:
-            logger.warning("Ignored unknown request fields: %s", ", ".join(sorted(request.model_extra)))
+        if request.model_extra:  # names chosen by the client: escaped, so they cannot forge log lines
+            names = sorted(request.model_extra)
+            logger.warning("Ignored unknown request fields: %s%s", ", ".join(ascii(k) for k in names[:10]),
+                           f" and {len(names) - 10} more" if len(names) > 10 else "")
+        self.check_limits(request)
         return request.model or self.served_model_names[0]
+
+    def check_limits(self, request: _SamplingRequest, num_prompts: int = 1) -> None:
+        """The fields whose range depends on the model or the server's limits."""
+        limits = self.limits
+        if request.n * num_prompts > limits.max_n:
+            what = f"n={request.n}" if num_prompts == 1 else f"n={request.n} for each of {num_prompts} prompts"
+            raise APIError(f"{what} asks for {request.n * num_prompts} completions; the limit is {limits.max_n} "
+                           "per request (--max-n)", param="n")
+        if request.top_k is not None and not -1 <= request.top_k <= self.vocab_size:
+            raise APIError(f"top_k must be -1, 0 or at most the vocabulary size {self.vocab_size}, got "
+                           f"{request.top_k}", param="top_k")
+        stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        if len(stop) > limits.max_stop:
+            raise APIError(f"stop has {len(stop)} entries; the limit is {limits.max_stop}", param="stop")
+        long = [len(s) for s in stop if len(s) > limits.max_stop_chars]
+        if long:
+            raise APIError(f"a stop string has {long[0]} characters; the limit is {limits.max_stop_chars}",
+                           param="stop")
+        ids = request.stop_token_ids or []
+        if len(ids) > limits.max_stop:
+            raise APIError(f"stop_token_ids has {len(ids)} entries; the limit is {limits.max_stop}",
+                           param="stop_token_ids")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                           param="stop_token_ids")
+        for name in ("min_tokens", "max_tokens", "max_completion_tokens"):
+            value = getattr(request, name, None)
+            if value is not None and value > self.max_model_len:
+                raise APIError(f"{name} is {value}, more than this model's maximum context length of "
+                               f"{self.max_model_len} tokens", param=name)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, param: str) -> int | None:
         if num_prompt_tokens == 0:
