@@ -167,9 +167,12 @@ def test_sigkill_of_the_supervisor_leaves_nothing(tiny_llama, tmp_path):
     assert not [p for p in pids.values() if alive(p)]
 
 
-def test_sigterm_during_load_finishes_requests_and_exits_0(tiny_llama, tmp_path):
+@pytest.mark.parametrize("to", ["serve", "group"])
+def test_sigterm_during_load_finishes_requests_and_exits_0(tiny_llama, tmp_path, to):
     """SIGTERM once every request has streamed its first token and none has finished: the
-    drain lets all of them run to max_tokens, then every process exits and the serve returns 0."""
+    drain lets all of them run to max_tokens, then every process exits and the serve returns 0.
+    ``group``: SIGTERM to the whole process group, as systemd, docker and ``kill -- -PGID`` send
+    it: the children ignore it and leave the drain to the supervisor."""
     import os
     import signal
     import threading
@@ -202,13 +205,65 @@ def test_sigterm_during_load_finishes_requests_and_exits_0(tiny_llama, tmp_path)
             for i, event in enumerate(started):
                 assert event.wait(60), f"request {i} got no token in 60 s"
             sigterm.set()
-            os.kill(serve.proc.pid, signal.SIGTERM)
+            if to == "group":
+                os.killpg(os.getpgid(serve.proc.pid), signal.SIGTERM)
+            else:
+                os.kill(serve.proc.pid, signal.SIGTERM)
             results = [f.result() for f in futures]
         code = serve.wait(timeout=150)
     assert not finished_early, f"requests {finished_early} finished before SIGTERM: the drain was not tested"
     assert results == [("length", max_tokens)] * n
     assert code == 0, serve.log[-3000:]
     assert "all 3 processes stopped" in serve.log
+
+
+def test_requests_still_running_when_the_grace_period_ends_get_an_error(tiny_llama, tmp_path):
+    """One request at a time and a 1 s grace period: what has not finished by then ends with an
+    error its client can read (an SSE error event and [DONE], or a 503), and the exit code says
+    the drain was cut."""
+    import json
+    import os
+    import signal
+
+    import httpx
+
+    n = 6
+    first_token = concurrent.futures.Future()
+    with serving([str(tiny_llama), "--max-model-len", "256", "--max-num-seqs", "1", "--grace-period", "1"],
+                 tmp_path) as serve:
+        def one(i: int) -> tuple[int, list[str]]:
+            body = {"prompt": f"Item {i}", "max_tokens": 240, "ignore_eos": True, "stream": True}
+            lines = []
+            with httpx.stream("POST", serve.url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                    if line.startswith("data: {") and not first_token.done():
+                        first_token.set_result(i)
+                return r.status_code, lines
+
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(one, i) for i in range(n)]
+            first_token.result(timeout=60)  # one request streams, the others wait in the queue
+            os.kill(serve.proc.pid, signal.SIGTERM)
+            results = [f.result(timeout=60) for f in futures]
+        code = serve.wait(timeout=60)
+    cut = 0
+    for status, lines in results:
+        if status == 503:
+            cut += 1
+            assert "the server is shutting down" in lines[0], lines  # queued, or sent after SIGTERM
+            continue
+        assert status == 200 and lines[-1] == "data: [DONE]", lines[-3:]
+        events = [json.loads(line[6:]) for line in lines[:-1]]
+        if "error" in events[-1]:
+            cut += 1
+            assert "grace period of 1 s ended" in events[-1]["error"]["message"], events[-1]
+        else:
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert cut >= n - 2, results  # one at a time, 240 tokens each: most cannot finish in 1 s
+    assert code != 0, serve.log[-3000:]
+    assert "frontend (pid" in serve.log and "exited with code 3" in serve.log, serve.log[-3000:]
 
 
 def test_supervisor_command_serves_the_same_plan(tiny_llama, tmp_path):

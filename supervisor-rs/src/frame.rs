@@ -18,6 +18,8 @@ pub mod kind {
     pub const READY: &str = "READY";
     pub const SHUTDOWN: &str = "SHUTDOWN";
     pub const PEER_DIED: &str = "PEER_DIED";
+    /// A child to the supervisor, about every second once READY: it is alive and not stopped.
+    pub const HEARTBEAT: &str = "HEARTBEAT";
 }
 
 const PREFIX: usize = 4;

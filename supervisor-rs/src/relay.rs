@@ -237,6 +237,7 @@ async fn relay_frame(relay: &Relay, idx: usize, frame: Frame) {
         Route::Supervisor => {
             match frame.header.kind.as_str() {
                 kind::READY => relay.event(Event::Ready { idx }),
+                kind::HEARTBEAT => relay.event(Event::Heartbeat { idx }),
                 kind::HELLO => log::warn!("{me}: second HELLO ignored"),
                 other => log::warn!("{me}: the supervisor does not handle {other} frames; dropped"),
             }

@@ -56,6 +56,13 @@ pub enum Cause {
         timeout: Duration,
     },
     BadHello(String),
+    /// No HEARTBEAT for the plan's heartbeat timeout; `state` is its /proc state then.
+    NotResponding {
+        silent: Duration,
+        state: String,
+    },
+    /// Its connection to the supervisor closed while the process kept running.
+    Disconnected,
 }
 
 impl Cause {
@@ -71,6 +78,10 @@ impl Cause {
                 format!("missed its start-up deadline: {what} {}", secs(*timeout))
             }
             Cause::BadHello(reason) => format!("was stopped at HELLO: {reason}"),
+            Cause::NotResponding { silent, state } => {
+                format!("is not responding: no heartbeat for {} (process state: {state})", secs(*silent))
+            }
+            Cause::Disconnected => "closed its connection to the supervisor but kept running".to_string(),
         }
     }
 }

@@ -1,6 +1,6 @@
 //! How a serve ends: after a child failed, after a stop request (SIGINT/SIGTERM), or after
 //! the lead process finished on its own; and the stop sequence they share
-//! (SIGTERM in role order, grace period, SIGKILL).
+//! (STOP_SIGNAL in role order, grace period, SIGKILL).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +16,10 @@ use crate::supervisor::Supervisor;
 
 /// How long the lead gets to flush (error events to clients) after PEER_DIED.
 const PEER_DIED_FLUSH: Duration = Duration::from_secs(1);
+/// After its grace period the draining lead gets this long to exit on its own: it ends the
+/// requests still running with an error event shortly before the grace period ends, then
+/// exits with a code that says whether it had to.
+const LEAD_EXIT: Duration = Duration::from_secs(2);
 /// A role group signalled after the shared grace deadline still gets this long.
 const MIN_GROUP_GRACE: Duration = Duration::from_secs(1);
 /// SIGKILL cannot be refused; this only bounds a wait on a stuck kernel.
@@ -23,14 +27,18 @@ const REAP_AFTER_KILL: Duration = Duration::from_secs(5);
 
 const STOP_ORDER: [Role; 3] = [Role::Frontend, Role::EngineCore, Role::Worker];
 
+/// How the supervisor stops a child. Not SIGTERM: children ignore SIGTERM and SIGINT, which
+/// an operator's `kill -- -PGID`, systemd or Ctrl-C deliver to every process at once; the
+/// supervisor turns those into a drain and then stops the children itself.
+pub const STOP_SIGNAL: Signal = Signal::SIGUSR1;
+
 /// Whether a child ended the way a requested stop should end it.
 pub fn is_clean(exit: &Exit, killed: bool) -> bool {
-    let term = Signal::SIGTERM as i32;
-    let int = Signal::SIGINT as i32;
+    let stop = [Signal::SIGTERM as i32, Signal::SIGINT as i32, STOP_SIGNAL as i32];
     !killed
         && match exit {
-            Exit::Code(code) => *code == 0 || *code == 128 + term || *code == 128 + int,
-            Exit::Signal(sig) => *sig == term || *sig == int,
+            Exit::Code(code) => *code == 0 || stop.iter().any(|s| *code == 128 + s),
+            Exit::Signal(sig) => stop.contains(sig),
             Exit::Unknown(_) => false,
         }
 }
@@ -75,7 +83,7 @@ impl Supervisor {
         let dst = self.children[lead].address.to_string();
         if lead_listens && self.send_to_lead(&dst, kind::SHUTDOWN, b"") {
             self.console.say(&format!("{name} received: {dst} is draining (up to {})", secs(grace)));
-            self.wait_for(move |s| !s.children[lead].alive(), Instant::now() + grace).await;
+            self.wait_for(move |s| !s.children[lead].alive(), Instant::now() + grace + LEAD_EXIT).await;
         } else {
             self.console.say(&format!("{name} received: stopping every process"));
         }
@@ -121,7 +129,7 @@ impl Supervisor {
         }
     }
 
-    /// SIGTERM to every live child, role by role (frontend, engine core, workers), each
+    /// STOP_SIGNAL to every live child, role by role (frontend, engine core, workers), each
     /// group waited for until one shared grace deadline; then SIGKILL to what is left.
     pub(crate) async fn stop_in_order(&mut self) {
         let grace = self.plan.grace_period;
@@ -134,7 +142,7 @@ impl Supervisor {
                 continue;
             }
             for &i in &group {
-                self.signal(i, Signal::SIGTERM);
+                self.signal(i, STOP_SIGNAL);
             }
             let group_deadline = deadline.max(Instant::now() + MIN_GROUP_GRACE.min(grace));
             self.wait_for(move |s| group.iter().all(|&i| !s.children[i].alive()), group_deadline).await;
@@ -145,9 +153,10 @@ impl Supervisor {
         }
         let names: Vec<String> = stubborn.iter().map(|&i| self.children[i].address.to_string()).collect();
         self.console.say(&format!(
-            "{} did not exit within {} of SIGTERM; sending SIGKILL",
+            "{} did not exit within {} of {}; sending SIGKILL",
             names.join(", "),
-            secs(grace)
+            secs(grace),
+            STOP_SIGNAL.as_str()
         ));
         for &i in &stubborn {
             self.signal(i, Signal::SIGKILL);
@@ -175,6 +184,8 @@ mod tests {
     fn clean_exits() {
         assert!(is_clean(&Exit::Code(0), false));
         assert!(is_clean(&Exit::Signal(libc::SIGTERM), false));
+        assert!(is_clean(&Exit::Signal(libc::SIGUSR1), false));
+        assert!(is_clean(&Exit::Code(128 + libc::SIGUSR1), false));
         assert!(is_clean(&Exit::Code(143), false));
         assert!(!is_clean(&Exit::Code(0), true));
         assert!(!is_clean(&Exit::Code(1), false));

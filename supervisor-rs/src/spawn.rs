@@ -97,10 +97,14 @@ where
             if libc::getppid() != parent {
                 return Err(io::Error::from_raw_os_error(libc::ESRCH));
             }
-            // Ctrl-C in a terminal reaches the whole foreground group; the supervisor
-            // alone turns it into an orderly SHUTDOWN, so children ignore SIGINT.
-            if libc::signal(libc::SIGINT, libc::SIG_IGN) == libc::SIG_ERR {
-                return Err(io::Error::last_os_error());
+            // Ctrl-C in a terminal reaches the whole foreground group, and systemd, docker
+            // and `kill -- -PGID` send SIGTERM to every process; the supervisor alone turns
+            // either into an orderly SHUTDOWN (drain first), so children ignore both and
+            // are stopped with STOP_SIGNAL.
+            for sig in [libc::SIGINT, libc::SIGTERM] {
+                if libc::signal(sig, libc::SIG_IGN) == libc::SIG_ERR {
+                    return Err(io::Error::last_os_error());
+                }
             }
             Ok(())
         });

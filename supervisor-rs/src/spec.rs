@@ -135,6 +135,9 @@ pub struct Plan {
     /// How long a child gets to exit after SHUTDOWN or SIGTERM before the next step.
     pub grace_period: Duration,
     pub max_frame_bytes: usize,
+    /// Once every process is READY, a child silent (no HEARTBEAT) for this long is reported
+    /// as not responding, like a death; None: not watched.
+    pub heartbeat_timeout: Option<Duration>,
     /// Printed once every process is READY.
     pub ready_url: Option<String>,
     /// The version of the message schema the children exchange (owned by loom, opaque
@@ -157,6 +160,8 @@ struct RawPlan {
     grace_period_s: Option<f64>,
     #[serde(default)]
     max_frame_bytes: Option<u64>,
+    #[serde(default)]
+    heartbeat_timeout_s: Option<f64>,
     #[serde(default)]
     ready_url: Option<String>,
     #[serde(default)]
@@ -224,6 +229,11 @@ impl Plan {
             startup_timeout: seconds("startup_timeout_s", raw.startup_timeout_s, DEFAULT_STARTUP_TIMEOUT_S, false)?,
             grace_period: seconds("grace_period_s", raw.grace_period_s, DEFAULT_GRACE_PERIOD_S, true)?,
             max_frame_bytes,
+            heartbeat_timeout: match raw.heartbeat_timeout_s {
+                None => None,
+                Some(0.0) => None,
+                Some(s) => Some(seconds("heartbeat_timeout_s", Some(s), 0.0, false)?),
+            },
             ready_url: raw.ready_url,
             messages_version: raw.messages_version.unwrap_or(WIRE_VERSION),
         })

@@ -22,6 +22,22 @@ use crate::spec::{Address, Plan, Role};
 
 /// How long the frames a child sent just before exiting may take to be processed.
 const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(500);
+/// A child whose connection closed gets this long to exit before it is reported as a
+/// process that lost its connection (a dying child closes the socket before it is reaped).
+const EXIT_AFTER_DISCONNECT: Duration = Duration::from_secs(1);
+
+/// What a deadline of the watch loop is for.
+#[derive(Clone, Copy, Debug)]
+enum Due {
+    /// Judge an exit once its last frames are processed.
+    Judge,
+    /// A start-up phase took too long.
+    Startup,
+    /// No HEARTBEAT within the plan's heartbeat timeout.
+    Silent,
+    /// Its connection closed and it is still running.
+    Disconnected,
+}
 
 /// What connection and child tasks tell the supervisor.
 #[derive(Debug)]
@@ -45,6 +61,9 @@ pub enum Event {
         idx: usize,
     },
     Disconnected {
+        idx: usize,
+    },
+    Heartbeat {
         idx: usize,
     },
 }
@@ -74,6 +93,10 @@ pub(crate) struct Child {
     pub judge_at: Option<Instant>,
     /// The supervisor sent SIGKILL (after the grace period or on a second stop request).
     pub killed: bool,
+    /// Its last HEARTBEAT (set for every child when the serve starts running).
+    pub last_beat: Option<Instant>,
+    /// Its connection closed while it lived: reported at this instant unless it exits first.
+    pub gone_at: Option<Instant>,
     pub spawned: Spawned,
 }
 
@@ -138,6 +161,8 @@ pub async fn supervise(plan: Plan, console: Console, stops: UnboundedReceiver<i3
                 disconnected: false,
                 judge_at: None,
                 killed: false,
+                last_beat: None,
+                gone_at: None,
                 spawned,
             }),
             Err(e) => {
@@ -173,6 +198,24 @@ pub async fn supervise(plan: Plan, console: Console, stops: UnboundedReceiver<i3
     Ok(Outcome { code, report: supervisor.report.take(), run_dir: supervisor.run_dir.path().to_path_buf() })
 }
 
+/// A process's state from /proc (`T (stopped)`, `D (disk sleep)`, ...), for a report.
+fn process_state(pid: u32) -> String {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return "unknown: /proc has no entry".into();
+    };
+    let code = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()).unwrap_or('?');
+    let name = match code {
+        'R' => "running",
+        'S' => "sleeping",
+        'D' => "disk sleep",
+        'T' => "stopped",
+        't' => "stopped by a tracer",
+        'Z' => "zombie",
+        _ => "other",
+    };
+    format!("{code} ({name})")
+}
+
 /// A later spawn failed: the children already started must not outlive the error.
 async fn kill_spawned(children: &mut [Child], events: &mut UnboundedReceiver<Event>) {
     for child in children.iter() {
@@ -193,7 +236,7 @@ impl Supervisor {
     async fn watch(&mut self) -> Ending {
         loop {
             let next = self.next_deadline();
-            let wake = next.map_or_else(|| Instant::now() + Duration::from_secs(3600), |(at, _)| at);
+            let wake = next.map_or_else(|| Instant::now() + Duration::from_secs(3600), |(at, _, _)| at);
             tokio::select! {
                 Some(event) = self.events.recv() => {
                     if let Some(ending) = self.on_event(event) {
@@ -202,26 +245,45 @@ impl Supervisor {
                 }
                 Some(sig) = self.stops.recv() => return Ending::Stop(sig),
                 _ = tokio::time::sleep_until(wake), if next.is_some() => {
-                    if let Some((_, idx)) = next {
+                    if let Some((_, idx, due)) = next {
                         let child = &self.children[idx];
-                        if child.judge_at.is_some() {
-                            return self.judge_exit(idx);
-                        }
                         let phase = child.phase;
-                        let timeout = self.plan.startup_timeout;
-                        return Ending::Failed(Failure { idx, cause: Cause::Deadline { phase, timeout }, phase });
+                        let cause = match due {
+                            Due::Judge => return self.judge_exit(idx),
+                            Due::Startup => Cause::Deadline { phase, timeout: self.plan.startup_timeout },
+                            Due::Silent => Cause::NotResponding {
+                                silent: self.plan.heartbeat_timeout.unwrap_or_default(),
+                                state: process_state(child.pid),
+                            },
+                            Due::Disconnected => Cause::Disconnected,
+                        };
+                        return Ending::Failed(Failure { idx, cause, phase });
                     }
                 }
             }
         }
     }
 
-    fn next_deadline(&self) -> Option<(Instant, usize)> {
-        let at = |c: &Child| match (c.judge_at, c.deadline) {
-            (Some(judge), _) => Some(judge),
-            (None, deadline) => deadline,
+    fn next_deadline(&self) -> Option<(Instant, usize, Due)> {
+        let heartbeat = self.plan.heartbeat_timeout;
+        let due = |c: &Child| -> Option<(Instant, Due)> {
+            if let Some(judge) = c.judge_at {
+                return Some((judge, Due::Judge));
+            }
+            if let Some(deadline) = c.deadline {
+                return Some((deadline, Due::Startup));
+            }
+            if !c.alive() {
+                return None;
+            }
+            let silent = match (heartbeat, c.last_beat) {
+                (Some(timeout), Some(beat)) if c.phase == Phase::Running => Some((beat + timeout, Due::Silent)),
+                _ => None,
+            };
+            let gone = c.gone_at.map(|at| (at, Due::Disconnected));
+            [silent, gone].into_iter().flatten().min_by_key(|(at, _)| *at)
         };
-        self.children.iter().enumerate().filter_map(|(i, c)| at(c).map(|d| (d, i))).min()
+        self.children.iter().enumerate().filter_map(|(i, c)| due(c).map(|(at, d)| (at, i, d))).min_by_key(|x| x.0)
     }
 
     /// A child has exited and its last frames are processed: was that the end of the
@@ -280,7 +342,11 @@ impl Supervisor {
                 if child.judge_at.is_some() {
                     return Some(self.judge_exit(idx));
                 }
+                if child.alive() {
+                    child.gone_at = Some(Instant::now() + EXIT_AFTER_DISCONNECT);
+                }
             }
+            Event::Heartbeat { idx } => self.children[idx].last_beat = Some(Instant::now()),
         }
         None
     }
@@ -295,8 +361,10 @@ impl Supervisor {
         child.deadline = None;
         self.console.say(&format!("{} (pid {}) ready", child.address, child.pid));
         if self.children.iter().all(|c| c.phase == Phase::Ready) {
+            let now = Instant::now();
             for c in &mut self.children {
                 c.phase = Phase::Running;
+                c.last_beat = Some(now); // silence is counted from here
             }
             let n = self.children.len();
             match &self.plan.ready_url {

@@ -64,7 +64,7 @@ fn run(plan: Plan, stop_after: Option<Duration>) -> (Result<Outcome, Error>, Dur
 }
 
 const SLEEPER: &str = "exec sleep 30";
-const STUBBORN: &str = "trap '' TERM; exec sleep 30";
+const STUBBORN: &str = "trap '' USR1; exec sleep 30";
 
 #[test]
 fn a_dead_child_is_reported_and_the_others_stopped() {
@@ -100,13 +100,13 @@ fn a_missed_start_up_deadline_is_reported() {
     let report = outcome.report.unwrap();
     assert!(report.contains("engine_core (pid "), "{report}");
     assert!(report.contains("sent no HELLO within 0.5 s"), "{report}");
-    assert!(report.contains("it was then stopped: it was killed by SIGTERM"), "{report}");
+    assert!(report.contains("it was then stopped: it was killed by SIGUSR1"), "{report}");
     assert!(report.contains("| loading"), "{report}");
     assert!(!outcome.run_dir.exists());
 }
 
 #[test]
-fn stop_request_with_children_that_honour_sigterm_exits_0() {
+fn stop_request_with_children_that_honour_the_stop_signal_exits_0() {
     let plan =
         plan(vec![sh("frontend", 0, SLEEPER), sh("engine_core", 0, SLEEPER), sh("worker", 0, SLEEPER)], 30.0, 5.0);
     let (outcome, took) = run(plan, Some(Duration::from_millis(300)));
@@ -118,7 +118,7 @@ fn stop_request_with_children_that_honour_sigterm_exits_0() {
 }
 
 #[test]
-fn a_child_that_ignores_sigterm_is_killed_after_the_grace_period() {
+fn a_child_that_ignores_the_stop_signal_is_killed_after_the_grace_period() {
     let grace = 1.0;
     let plan = plan(vec![sh("frontend", 0, SLEEPER), sh("worker", 0, STUBBORN)], 30.0, grace);
     let (outcome, took) = run(plan, Some(Duration::from_millis(300)));

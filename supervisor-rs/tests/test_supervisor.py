@@ -66,6 +66,14 @@ CHILD = textwrap.dedent(
     conn.ready()
     if role == "frontend":
         open(frontend_listens, "w").close()
+    if behaviour == "close_and_live" and role == "worker":
+        wait_for_file(frontend_listens)
+        conn.close()
+        time.sleep(60)
+    if behaviour == "stop_itself" and role == "worker":
+        wait_for_file(frontend_listens)
+        log("stopping myself")
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     def block():  # until the supervisor stops us
         while True:
@@ -104,7 +112,8 @@ CHILD = textwrap.dedent(
         log("relay ok")
         sys.exit(0)
 
-    if behaviour in ("serve", "crash_after_hello", "killed_after_hello", "hang_before_ready"):
+    if behaviour in ("serve", "crash_after_hello", "killed_after_hello", "hang_before_ready", "close_and_live",
+                     "stop_itself"):
         if role != "frontend":
             block()
         while True:
@@ -231,7 +240,7 @@ def test_plan_defaults_and_wire_form() -> None:
     assert plan.to_wire() == {
         "processes": [{"role": "worker", "rank": 0, "argv": ["/bin/true"], "env": {}}],
         "config": b"", "startup_timeout_s": 300.0, "grace_period_s": 10.0, "max_frame_bytes": 64 << 20,
-        "ready_url": None, "messages_version": loom_supervisor.WIRE_VERSION,
+        "heartbeat_timeout_s": 0.0, "ready_url": None, "messages_version": loom_supervisor.WIRE_VERSION,
     }
     assert msgpack.unpackb(plan.to_msgpack(), raw=False) == plan.to_wire()
     with pytest.raises(TypeError):
@@ -383,6 +392,31 @@ def test_a_crash_during_start_up_is_reported_with_its_phase(
     # The report comes last, in one piece.
     assert text.rstrip().endswith("exiting with code 1")
     assert list((tmp_path / "xdg").iterdir()) == []
+
+
+def test_a_silent_child_is_reported_as_not_responding(child: Path, tmp_path: Path) -> None:
+    """A worker that stops itself after READY: its heartbeats end, and the supervisor reports it."""
+    roles: list[tuple[Role, int]] = [("frontend", 0), ("worker", 0)]
+    serve = Serve(make_plan(child, "stop_itself", roles, heartbeat_timeout_s=2.0, grace_period_s=1.0),
+                  tmp_path / "rt")
+    serve.wait_for("stopping myself")
+    started = time.monotonic()
+    code = serve.finish()
+    assert code == 1, serve.text
+    assert time.monotonic() - started < 10, serve.text
+    assert re.search(r"worker:0 \(pid \d+\) is not responding: no heartbeat for 2 s \(process state: T \(stopped\)\)",
+                     serve.text), serve.text
+    assert_all_gone(list(serve.child_pids().values()))
+
+
+def test_a_child_that_closes_its_connection_but_lives_is_reported(child: Path, tmp_path: Path) -> None:
+    roles: list[tuple[Role, int]] = [("frontend", 0), ("worker", 0)]
+    serve = Serve(make_plan(child, "close_and_live", roles, grace_period_s=1.0), tmp_path / "rt")
+    code = serve.finish()
+    assert code == 1, serve.text
+    assert re.search(r"worker:0 \(pid \d+\) closed its connection to the supervisor but kept running",
+                     serve.text), serve.text
+    assert_all_gone(list(serve.child_pids().values()))
 
 
 def test_a_crash_before_hello_is_reported(child: Path, tmp_path: Path) -> None:

@@ -111,3 +111,23 @@ def test_platform_then_general_plugins_then_flags_then_the_platform_sees_the_par
     monkeypatch.setattr(arg_utils, "load_general_plugins", lambda: calls.append(("general plugins",)))
     engine_parser()
     assert calls == [("platform",), ("general plugins",), ("pre_register_and_update", True)]
+
+
+def test_api_key_file_keeps_the_key_off_command_lines(tmp_path, capsys):
+    import argparse
+
+    from loom.config.server import ServerConfig
+
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-from-a-file\nignored second line\n")
+    parser = ServerConfig.add_cli_args(argparse.ArgumentParser())
+    server = ServerConfig.from_cli_args(parser.parse_args(["--api-key-file", str(key_file)]))
+    assert server.api_key == "sk-from-a-file"
+    assert not any("sk-from-a-file" in a or "--api-key" in a for a in server.to_argv())
+    for content, message in [(None, "cannot read the API key from"), ("\n", "is empty; its first line must be")]:
+        path = tmp_path / "bad"
+        if content is not None:
+            path.write_text(content)
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--api-key-file", str(path)])
+        assert message in capsys.readouterr().err

@@ -69,7 +69,10 @@ class Plan:
     child gets to exit after SHUTDOWN or SIGTERM; frames over ``max_frame_bytes`` are
     dropped; ``ready_url`` is printed once every process is READY; ``messages_version``
     is the version of the message schema the children exchange (loom's), which every
-    HELLO must state. The defaults are the ones the supervisor applies to a key left out.
+    HELLO must state; once every process is READY, a child that sends no HEARTBEAT for
+    ``heartbeat_timeout_s`` (0: not watched) is reported as not responding, like a death
+    (``client.Client.ready`` starts the heartbeats). The defaults are the ones the supervisor
+    applies to a key left out.
     """
 
     processes: Sequence[ProcessPlan]
@@ -77,6 +80,7 @@ class Plan:
     startup_timeout_s: float = 300.0
     grace_period_s: float = 10.0
     max_frame_bytes: int = 64 << 20
+    heartbeat_timeout_s: float = 0.0
     ready_url: str | None = None
     messages_version: int = WIRE_VERSION
 
@@ -93,6 +97,7 @@ class Plan:
             "startup_timeout_s": self.startup_timeout_s,
             "grace_period_s": self.grace_period_s,
             "max_frame_bytes": self.max_frame_bytes,
+            "heartbeat_timeout_s": self.heartbeat_timeout_s,
             "ready_url": self.ready_url,
             "messages_version": self.messages_version,
         }

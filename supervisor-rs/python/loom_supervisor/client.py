@@ -35,6 +35,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from time import monotonic as _monotonic
@@ -66,6 +67,9 @@ CONFIG = "CONFIG"
 READY = "READY"
 SHUTDOWN = "SHUTDOWN"
 PEER_DIED = "PEER_DIED"
+HEARTBEAT = "HEARTBEAT"
+HEARTBEAT_INTERVAL_S = 1.0
+"""How often a ready child tells the supervisor it is alive (a thread of its own)."""
 
 _PREFIX = struct.Struct(">I")
 _RECV_CHUNK = 1 << 16
@@ -288,8 +292,19 @@ class Client:
         return frame.body
 
     def ready(self) -> None:
-        """Ends this process's start-up: the supervisor reports it ready."""
+        """Ends this process's start-up: the supervisor reports it ready. From now on a thread
+        sends a HEARTBEAT every ``HEARTBEAT_INTERVAL_S``: a process that stops (SIGSTOP, a
+        frozen VM) falls silent and the supervisor reports it as not responding."""
         self.send(SUPERVISOR, READY)
+        threading.Thread(target=self._beat, name="loom-heartbeat", daemon=True).start()
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_INTERVAL_S)
+            try:
+                self.send(SUPERVISOR, HEARTBEAT)
+            except (OSError, ValueError):  # closed: the process is ending
+                return
 
     def fileno(self) -> int:
         return self._sock.fileno()

@@ -26,14 +26,41 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _heartbeat_timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if value != 0 and not 3 <= value < float("inf"):  # children beat every second
+        raise argparse.ArgumentTypeError(f"expected 0 (off) or at least 3 seconds, got {text}")
+    return value
+
+
+def _api_key_file(path: str) -> str:
+    try:
+        with open(os.path.expanduser(path)) as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read the API key from {path!r}: {e.strerror or e}") from None
+    if not key:
+        raise argparse.ArgumentTypeError(f"{path!r} is empty; its first line must be the API key")
+    return path
+
+
 @dataclass(slots=True, kw_only=True)
 class ServerConfig:
     host: str = flag("127.0.0.1", help="address to listen on (default 127.0.0.1)")
     port: int = flag(8000, type=int)
     api_key: str | None = flag(default_factory=lambda: os.environ.get("LOOM_API_KEY"),
-                               help="require 'Authorization: Bearer KEY' on /v1/* (default: $LOOM_API_KEY)")
+                               help="require 'Authorization: Bearer KEY' on /v1/* (default: $LOOM_API_KEY); "
+                                    "visible in ps: prefer --api-key-file or LOOM_API_KEY")
+    api_key_file: str | None = flag(None, type=_api_key_file, help="read the API key from this file (its first "
+                                                                    "line), so it stays out of ps")
     startup_timeout: float = flag(300.0, type=float, help="seconds each start-up phase of each process may take")
     grace_period: float = flag(10.0, type=float, help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    heartbeat_timeout: float = flag(10.0, type=_heartbeat_timeout,
+                                    help="a process silent this many seconds once serving (stopped, frozen) is "
+                                         "reported like a death and the serve stops (default 10; 0: not watched)")
     chat_template: str | None = flag(
         None, help="chat template for /v1/chat/completions instead of the tokenizer's: the path of a "
                    "Jinja file, or the template itself")
@@ -49,6 +76,12 @@ class ServerConfig:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         add_flags(parser.add_argument_group("server"), cls)
         return parser
+
+    def __post_init__(self) -> None:
+        if self.api_key_file is not None:  # the key itself travels in the front end's environment
+            with open(os.path.expanduser(self.api_key_file)) as f:
+                self.api_key = f.readline().strip()
+            self.api_key_file = None
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerConfig:

@@ -32,7 +32,7 @@ from ..logger import init_logger
 from ..metrics import load_stat_loggers
 from ..outputs import RequestOutput, merge_deltas
 from ..stats import EngineStats
-from .errors import EngineDeadError, EngineError, RequestFailedError
+from .errors import EngineDeadError, EngineError, RequestFailedError, ShuttingDownError
 
 if TYPE_CHECKING:
     from ..config import LoomConfig
@@ -118,6 +118,11 @@ class EngineClient:
         return self._engine_ready and self._dead_error is None and not self._stopping
 
     @property
+    def stopping(self) -> bool:
+        """The server is draining: requests in flight finish, new ones are refused."""
+        return self._stopping
+
+    @property
     def dead_error(self) -> str | None:
         """Why the engine is gone (names the process and the cause), or None while it lives."""
         return self._dead_error
@@ -159,6 +164,20 @@ class EngineClient:
         self.on_engine_dead("the server is shutting down", expected=True)
         self._stats_wake.set()
         await asyncio.to_thread(self._stats_thread.join, 5)
+
+    def end_all(self, message: str) -> int:
+        """End every open stream with ``ShuttingDownError(message)`` and abort its request (the
+        drain's grace period is running out); the number of streams ended."""
+        with self._lock:
+            streams, self._streams = self._streams, {}
+            alive = self._dead_error is None
+        if streams and alive:
+            try:
+                self.connection.abort_requests(list(streams))
+            except OSError:
+                pass  # the supervisor is gone; the connection reports it
+        _put_all([(stream, ShuttingDownError(message)) for stream in streams.values()])
+        return len(streams)
 
     # ---- streams --------------------------------------------------------------------------
     async def _stream(

@@ -11,6 +11,10 @@ class EngineDeadError(EngineError):
     """The engine is gone; no request can be served. The message names the process and cause (503)."""
 
 
+class ShuttingDownError(EngineError):
+    """The server stopped before this request finished: its drain's grace period ran out (503)."""
+
+
 class RequestFailedError(EngineError):
     """The engine failed this request (e.g. its model step raised) and serves the others (500)."""
 

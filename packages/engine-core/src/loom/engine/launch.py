@@ -86,6 +86,7 @@ def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge
         startup_timeout_s=float(limits.startup_timeout),
         grace_period_s=float(limits.grace_period),
         max_frame_bytes=MAX_FRAME_BYTES,
+        heartbeat_timeout_s=float(limits.heartbeat_timeout),
         ready_url=server.ready_url if server is not None else None,
         messages_version=MESSAGES_VERSION,
     )

@@ -5,6 +5,9 @@ supervisor, take the config, load the tokenizer, build the app (endpoint plugins
 READY goes to the supervisor once the socket listens *and* the engine core said it is
 ready; ``/health`` answers 503 until then. SHUTDOWN from the supervisor drains: no new
 connections, in-flight requests finish within the grace period, then the process exits 0.
+Requests still running when the grace period is about to end get an error (an SSE error
+event and ``[DONE]``, or a 503) and the process exits with ``DRAIN_CUT`` (3), so the serve's
+exit code says the drain did not complete.
 Its flags are the server's (``ServerConfig``), as the launch plan wrote them.
 """
 
@@ -32,6 +35,9 @@ from .openai.limits import RequestLimits
 
 logger = init_logger("loom.frontend")
 
+DRAIN_CUT = 3
+"""The front end's exit code when the grace period ended requests that were still running."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = ServerConfig.add_cli_args(argparse.ArgumentParser(prog="python -m loom.entrypoints.frontend"))
@@ -40,11 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     channel = Channel.connect("frontend")
     config = channel.config()
     tokenizer = get_tokenizer(config.model_config)
-    asyncio.run(_serve(config, tokenizer, channel, server))
-    return 0
+    return asyncio.run(_serve(config, tokenizer, channel, server))
 
 
-async def _serve(config: LoomConfig, tokenizer: Any, channel: Channel, server: ServerConfig) -> None:
+async def _serve(config: LoomConfig, tokenizer: Any, channel: Channel, server: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     shutdown_event = asyncio.Event()
     ready_parts: set[str] = set()
@@ -66,10 +71,20 @@ async def _serve(config: LoomConfig, tokenizer: Any, channel: Channel, server: S
     limits = RequestLimits(max_n=server.max_n, max_request_body_bytes=server.max_request_body_bytes)
     app = build_app(client, config.model_config.served_model_name, api_key=server.api_key,
                     chat_template=server.chat_template, limits=limits)
+    cut = 0
+
+    def end_the_rest() -> None:
+        nonlocal cut
+        cut = client.end_all(f"the server is shutting down: its grace period of {server.grace_period:g} s "
+                             "ended before this request finished; retry it")
+        if cut:
+            logger.warning("The grace period is ending: %d request(s) still running were ended with an error", cut)
+
     envs.enable_envs_cache()
     await serve_http(app, server.host, server.port, ready_callback=lambda host, port: part_ready("http"),
-                     shutdown_event=shutdown_event, grace_period=server.grace_period)
+                     shutdown_event=shutdown_event, grace_period=server.grace_period, on_grace_expiring=end_the_rest)
     await client.shutdown()
+    return DRAIN_CUT if cut else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ take the config, let the platform replace Triton kernels, resolve ``worker_cls``
 name and build it with the engine's ``WorkerServices``, ``init_device``, ``load_model``,
 the platform's ``update_block_size_for_backend``, report memory to the engine core,
 allocate the KV cache it sizes, freeze the environment, READY. Then run every EXECUTE it
-is sent, until SIGTERM, and ``shutdown``.
+is sent, until the supervisor's stop signal (SIGUSR1), and ``shutdown``.
 """
 
 from __future__ import annotations
@@ -60,9 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     channel.send("engine_core", CacheReady(rank=rank))
     channel.ready()
     logger.info("Worker rank %d is ready", rank)
-    # The supervisor stops a serve with SIGTERM: leave the step loop and let the worker
-    # release its device (the last call of the lifecycle).
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # The supervisor stops its children with SIGUSR1 (they ignore SIGTERM and SIGINT, which
+    # reach the whole process group: the supervisor drains first): leave the step loop and
+    # let the worker release its device (the last call of the lifecycle).
+    signal.signal(signal.SIGUSR1, _exit_on_stop_signal)
     try:
         _serve_steps(channel, worker, rank)
     finally:
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
+def _exit_on_stop_signal(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 

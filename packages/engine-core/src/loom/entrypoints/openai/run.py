@@ -49,14 +49,17 @@ async def serve_http(
     grace_period: float = 30.0,
     log_level: str = "info",
     access_log: bool = True,
+    on_grace_expiring: Callable[[], Any] | None = None,
 ) -> None:
     """Serve ``app`` on ``host:port`` until ``shutdown_event`` is set (or SIGINT/SIGTERM when none is given).
 
     ``ready_callback(host, port)`` runs once the socket accepts connections (``port`` is the
     bound one, useful with port 0). On shutdown the server stops accepting, lets requests in
     flight finish for up to ``grace_period`` seconds, then cancels what is left (their
-    engine requests are aborted). Returns when the server has stopped; the caller then shuts
-    the engine down. Bind errors raise ``OSError`` before anything is served.
+    engine requests are aborted). ``on_grace_expiring`` runs shortly before the grace period
+    ends (a second, or a fifth of it): the caller ends what is still running with an error its
+    clients can read, instead of a cut connection. Returns when the server has stopped; the
+    caller then shuts the engine down. Bind errors raise ``OSError`` before anything is served.
     """
     sock = bind_socket(host, port)
     bound_port = sock.getsockname()[1]
@@ -80,6 +83,10 @@ async def serve_http(
                 logger.info("Shutting down the HTTP server: draining requests in flight (up to %.0f s)",
                             grace_period)
                 server.should_exit = True
+                if on_grace_expiring is not None:
+                    margin = min(1.0, grace_period / 5)
+                    expiring = asyncio.get_running_loop().call_later(grace_period - margin, on_grace_expiring)
+                    serving.add_done_callback(lambda _: expiring.cancel())
             else:
                 stop.cancel()
         await serving

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from loom_plugin_api import SamplingParams
 
 from ...engine.client import EngineClient
-from ...engine.errors import EngineDeadError, EngineError
+from ...engine.errors import EngineDeadError, EngineError, ShuttingDownError
 from ...logger import init_logger
 from ...metrics import ServerMetrics
 from ...outputs import CompletionOutput, Logprob, RequestOutput
@@ -58,6 +58,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(str(exc))
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc), status=503, type="engine_dead_error")
+    if isinstance(exc, ShuttingDownError):
+        return APIError(str(exc), status=503, type="service_unavailable")
     if isinstance(exc, EngineError):
         return APIError(str(exc), status=500, type="server_error")
     logger.exception("Unexpected error while serving a request", exc_info=exc)
@@ -139,6 +141,9 @@ class OpenAIServing:
         dead = self.engine_client.dead_error
         if dead is not None:
             raise APIError(dead, status=503, type="engine_dead_error")
+        if self.engine_client.stopping:
+            raise APIError("the server is shutting down and takes no new requests; retry them elsewhere or once "
+                           "it is back", status=503, type="service_unavailable")
         if not self.engine_client.is_ready:
             raise APIError("the engine is not ready yet; retry when /health answers 200", status=503,
                            type="service_unavailable")
