@@ -10,6 +10,8 @@
 * ``tests-cpu``     loom-plugin-api + loom-engine: the built-in CPU platform.
 * ``tests-dummy``   the same plus loom-platform-dummy and the tests/plugins packages: the
                     out-of-tree platform wins and the same suite must hold under it.
+* ``fuzz``          schemathesis against ``/openapi.json`` of a real server on a tiny model:
+                    no 5xx, and only the statuses, content types and bodies the schema declares.
 * ``tests-cuda``    loom-platform-cuda: its Triton kernels against torch references over
                     shapes and dtypes, its platform hooks, and its worker's attention backend
                     and decode-graph replay against loom's CPU path. Without a GPU the kernels
@@ -57,7 +59,7 @@ import nox.project
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
-    "lint", "rust", "tests-cpu", "tests-dummy", "tests-cuda", "wheels", "install-cpu", "install-dummy",
+    "lint", "rust", "tests-cpu", "tests-dummy", "fuzz", "tests-cuda", "wheels", "install-cpu", "install-dummy",
     "install-cuda", "conformance-cpu", "conformance-dummy", "conformance-cuda",
 ]
 nox.options.reuse_existing_virtualenvs = True
@@ -183,7 +185,7 @@ def _import_contract_sources(session: nox.Session) -> list[str]:
 @nox.session
 def lint(session: nox.Session) -> None:
     session.install("ruff", "import-linter", "griffe", "packaging")
-    session.run("ruff", "check", "packages", "tests", "bench", "scripts", "noxfile.py", "conftest.py")
+    session.run("ruff", "check", "packages", "tests", "fuzz", "bench", "scripts", "noxfile.py", "conftest.py")
     # import-linter parses the source (it imports nothing): each package only has to be findable,
     # so the src/ folders go on PYTHONPATH instead of installing the packages and torch.
     sources = _import_contract_sources(session)
@@ -223,6 +225,15 @@ def tests_dummy(session: nox.Session) -> None:
         "pytest", "-q", *CORE_TESTS, "packages/platform-dummy/tests", *session.posargs,
         env={**ENV, "LOOM_EXPECT_PLATFORM": "dummy"},
     )
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """schemathesis against /openapi.json of a real server on a tiny model: generated requests,
+    valid and invalid, get no 5xx and only the answers the schema declares (fuzz/test_openapi.py;
+    LOOM_FUZZ_EXAMPLES examples per operation and mode, default 60)."""
+    _install(session, *CORE, "schemathesis>=4,<5")
+    session.run("pytest", "-q", "fuzz", *session.posargs, env={**ENV, "LOOM_EXPECT_PLATFORM": "cpu"})
 
 
 @nox.session(name="tests-cuda")

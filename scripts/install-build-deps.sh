@@ -7,7 +7,7 @@ packages=(
   librust-pyo3-dev librust-rmp-dev librust-rmp-serde-dev librust-serde-dev 'librust-serde+serde-derive-dev'
   librust-serde-bytes-dev librust-nix-dev librust-libc-dev librust-tokio-dev librust-thiserror-dev
   librust-clap-dev librust-clap-derive-dev librust-log-dev librust-env-logger-dev
-  'librust-env-logger+default-dev' librust-tempfile-dev
+  'librust-env-logger+default-dev' librust-tempfile-dev librust-proptest-dev 'librust-proptest+std-dev'
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -24,10 +24,12 @@ pub mod kind {
 
 const PREFIX: usize = 4;
 
-/// Why a frame was dropped. The stream stays in sync after each of these.
+/// Why a frame was not taken. After `Malformed` the stream stays in sync (its length
+/// prefix was honoured); after `TooLarge` nothing of it was read, and the connection must
+/// be closed: a prefix of 0xFFFFFFFF would otherwise swallow every later frame.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FrameError {
-    #[error("frame of {len} bytes is over the limit of {max} bytes (skipped)")]
+    #[error("a frame of {len} bytes is over the limit of {max} bytes")]
     TooLarge { len: usize, max: usize },
     #[error("malformed frame: {0}")]
     Malformed(String),
@@ -119,8 +121,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         FrameReader { inner, max_frame_bytes }
     }
 
-    /// The next frame, a rejected frame (already skipped), or `None` at a clean end of
-    /// stream. An `Err` means the stream itself broke (EOF inside a frame, I/O error).
+    /// The next frame, a rejected frame (a malformed one is skipped; after one too large
+    /// the reader must not be used again), or `None` at a clean end of stream. An `Err`
+    /// means the stream itself broke (EOF inside a frame, I/O error).
     pub async fn next(&mut self) -> io::Result<Option<Result<Frame, FrameError>>> {
         let mut prefix = [0u8; PREFIX];
         if self.inner.read(&mut prefix[..1]).await? == 0 {
@@ -129,10 +132,6 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         self.inner.read_exact(&mut prefix[1..]).await?;
         let len = u32::from_be_bytes(prefix) as usize;
         if len > self.max_frame_bytes {
-            let skipped = tokio::io::copy(&mut (&mut self.inner).take(len as u64), &mut tokio::io::sink()).await?;
-            if skipped < len as u64 {
-                return Err(io::ErrorKind::UnexpectedEof.into());
-            }
             return Ok(Some(Err(FrameError::TooLarge { len, max: self.max_frame_bytes })));
         }
         let mut raw = vec![0u8; PREFIX + len];
@@ -192,14 +191,12 @@ mod tests {
     }
 
     #[test]
-    fn oversized_frame_is_skipped_and_the_next_one_parsed() {
-        let big = encode(1, "frontend", "engine_core", "BIG", &vec![1u8; 10_000]).unwrap();
-        let small = encode(1, "frontend", "engine_core", "SMALL", b"ok").unwrap();
-        let stream = [big.clone(), small].concat();
-        let frames = read_all(&stream, 4096);
-        assert_eq!(frames.len(), 2);
-        assert_eq!(frames[0].as_ref().unwrap_err(), &FrameError::TooLarge { len: big.len() - 4, max: 4096 });
-        assert_eq!(frames[1].as_ref().unwrap().header.kind, "SMALL");
+    fn an_oversized_frame_is_refused_before_its_body_is_read() {
+        // 0xFFFFFFFF: skipping it would swallow 4 GiB of later frames
+        let stream = [&[0xff, 0xff, 0xff, 0xff][..], &encode(1, "frontend", "engine_core", "SMALL", b"ok").unwrap()]
+            .concat();
+        let first = block_on(async { FrameReader::new(stream.as_slice(), 4096).next().await.unwrap() });
+        assert_eq!(first.unwrap().unwrap_err(), FrameError::TooLarge { len: u32::MAX as usize, max: 4096 });
     }
 
     #[test]
@@ -218,6 +215,78 @@ mod tests {
             assert!(matches!(f, Err(FrameError::Malformed(_))), "{f:?}");
         }
         assert_eq!(frames[6].as_ref().unwrap().header.kind, "OK");
+    }
+
+    use proptest::prelude::*;
+
+    /// One item of a stream a peer may send: a valid frame, or a payload that is not one.
+    #[derive(Debug, Clone)]
+    enum Item {
+        Good { version: u32, src: String, dst: String, kind: String, body: Vec<u8> },
+        Garbage(Vec<u8>),
+    }
+
+    fn item() -> impl Strategy<Value = Item> {
+        prop_oneof![
+            (any::<u32>(), ".{0,12}", ".{0,12}", "[A-Z_]{0,12}", prop::collection::vec(any::<u8>(), 0..300))
+                .prop_map(|(version, src, dst, kind, body)| Item::Good { version, src, dst, kind, body }),
+            prop::collection::vec(any::<u8>(), 0..64).prop_map(Item::Garbage),
+        ]
+    }
+
+    proptest! {
+        /// Frames and garbage payloads, each behind a true length prefix: every valid frame
+        /// comes back exactly, each garbage payload is one error, and the stream stays in sync.
+        #[test]
+        fn frames_among_garbage_stay_in_sync(items in prop::collection::vec(item(), 0..20)) {
+            let mut stream = Vec::new();
+            for it in &items {
+                match it {
+                    Item::Good { version, src, dst, kind, body } => {
+                        stream.extend(encode(*version, src, dst, kind, body).unwrap())
+                    }
+                    Item::Garbage(payload) => stream.extend(framed(payload)),
+                }
+            }
+            let frames = read_all(&stream, 1 << 20);
+            prop_assert_eq!(frames.len(), items.len());
+            for (it, got) in items.iter().zip(&frames) {
+                match (it, got) {
+                    (Item::Good { version, src, dst, kind, body }, Ok(f)) => {
+                        prop_assert_eq!(
+                            (f.header.version, &f.header.src, &f.header.dst, &f.header.kind, f.body()),
+                            (*version, src, dst, kind, body.as_slice())
+                        );
+                    }
+                    (Item::Garbage(_), Err(FrameError::Malformed(_))) => {}
+                    // a random payload can be a well-formed frame; then it must re-encode to itself
+                    (Item::Garbage(payload), Ok(f)) => prop_assert_eq!(&f.raw[PREFIX..], payload.as_slice()),
+                    (it, got) => prop_assert!(false, "{:?} read as {:?}", it, got),
+                }
+            }
+        }
+
+        /// Any bytes at all: the reader ends (clean end, an error, or a refused frame) and never panics.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..2000)) {
+            block_on(async {
+                let mut reader = FrameReader::new(bytes.as_slice(), 4096);
+                for _ in 0..=bytes.len() {
+                    match reader.next().await {
+                        Ok(None) | Err(_) | Ok(Some(Err(FrameError::TooLarge { .. }))) => break,
+                        Ok(Some(_)) => {}
+                    }
+                }
+            });
+        }
+
+        /// A length prefix over the limit is refused at once, whatever follows.
+        #[test]
+        fn any_prefix_over_the_limit_is_refused(len in 4097u32.., tail in prop::collection::vec(any::<u8>(), 0..64)) {
+            let stream = [&len.to_be_bytes()[..], &tail].concat();
+            let got = block_on(async { FrameReader::new(stream.as_slice(), 4096).next().await.unwrap() });
+            prop_assert_eq!(got.unwrap().unwrap_err(), FrameError::TooLarge { len: len as usize, max: 4096 });
+        }
     }
 
     #[test]

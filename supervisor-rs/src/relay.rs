@@ -14,7 +14,7 @@ use tokio::net::unix::OwnedWriteHalf;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 
-use crate::frame::{self, kind, Frame, FrameReader, Header};
+use crate::frame::{self, kind, Frame, FrameError, FrameReader, Header};
 use crate::hello::{check_hello, Expected};
 use crate::spec::{Address, Plan, ProcessSpec, Role, WIRE_VERSION};
 use crate::supervisor::Event;
@@ -175,6 +175,10 @@ async fn connection(stream: UnixStream, relay: Arc<Relay>) {
     loop {
         let frame = match reader.next().await {
             Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(e @ FrameError::TooLarge { .. }))) => {
+                relay.event(Event::Protocol { idx, reason: e.to_string() });
+                return;
+            }
             Ok(Some(Err(e))) => {
                 log::warn!("{me} (pid {pid}): {e}");
                 continue;
@@ -209,6 +213,11 @@ async fn connection(stream: UnixStream, relay: Arc<Relay>) {
     loop {
         let frame = match reader.next().await {
             Ok(Some(Ok(frame))) => frame,
+            Ok(Some(Err(e @ FrameError::TooLarge { .. }))) => {
+                // Nothing after it can be found in the stream: close, and let the supervisor report it.
+                relay.event(Event::Protocol { idx, reason: e.to_string() });
+                break;
+            }
             Ok(Some(Err(e))) => {
                 log::warn!("{me}: {e}");
                 continue;

@@ -63,6 +63,9 @@ pub enum Cause {
     },
     /// Its connection to the supervisor closed while the process kept running.
     Disconnected,
+    /// It sent what the frame protocol cannot follow (a length over the limit); its
+    /// connection was closed.
+    Protocol(String),
 }
 
 impl Cause {
@@ -82,6 +85,7 @@ impl Cause {
                 format!("is not responding: no heartbeat for {} (process state: {state})", secs(*silent))
             }
             Cause::Disconnected => "closed its connection to the supervisor but kept running".to_string(),
+            Cause::Protocol(reason) => format!("broke the frame protocol ({reason}); its connection was closed"),
         }
     }
 }

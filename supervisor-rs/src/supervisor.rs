@@ -66,6 +66,11 @@ pub enum Event {
     Heartbeat {
         idx: usize,
     },
+    /// It sent a frame the protocol cannot follow; its connection is closed.
+    Protocol {
+        idx: usize,
+        reason: String,
+    },
 }
 
 /// The result of a serve that ran: the exit code to use and, for tests and callers, the
@@ -347,6 +352,10 @@ impl Supervisor {
                 }
             }
             Event::Heartbeat { idx } => self.children[idx].last_beat = Some(Instant::now()),
+            Event::Protocol { idx, reason } => {
+                let phase = self.children[idx].phase;
+                return Some(Ending::Failed(Failure { idx, cause: Cause::Protocol(reason), phase }));
+            }
         }
         None
     }

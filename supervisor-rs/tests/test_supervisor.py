@@ -70,6 +70,10 @@ CHILD = textwrap.dedent(
         wait_for_file(frontend_listens)
         conn.close()
         time.sleep(60)
+    if behaviour == "oversize" and role == "worker":
+        wait_for_file(frontend_listens)
+        conn._sock.sendall(b"\\xff\\xff\\xff\\xff" + client.encode("worker:0", "frontend", "LOST"))
+        time.sleep(60)
     if behaviour == "stop_itself" and role == "worker":
         wait_for_file(frontend_listens)
         log("stopping myself")
@@ -102,7 +106,6 @@ CHILD = textwrap.dedent(
         sock = conn._sock
         sock.sendall(client.encode("engine_core", "worker:0", "SPOOF"))     # not our address
         sock.sendall(client.encode("frontend", "worker:9", "LOST"))         # unknown dst
-        sock.sendall(client.encode("frontend", "worker:0", "BIG", b"x" * 10_000))  # over the limit
         sock.sendall(b"\\x00\\x00\\x00\\x03\\xc1\\xc1\\xc1")                    # not msgpack
         for r in (0, 1):
             body = os.urandom(1000)
@@ -113,7 +116,7 @@ CHILD = textwrap.dedent(
         sys.exit(0)
 
     if behaviour in ("serve", "crash_after_hello", "killed_after_hello", "hang_before_ready", "close_and_live",
-                     "stop_itself"):
+                     "stop_itself", "oversize"):
         if role != "frontend":
             block()
         while True:
@@ -416,6 +419,17 @@ def test_a_child_that_closes_its_connection_but_lives_is_reported(child: Path, t
     assert code == 1, serve.text
     assert re.search(r"worker:0 \(pid \d+\) closed its connection to the supervisor but kept running",
                      serve.text), serve.text
+    assert_all_gone(list(serve.child_pids().values()))
+
+
+def test_a_frame_over_the_limit_closes_the_connection_and_stops_the_serve(child: Path, tmp_path: Path) -> None:
+    """A length prefix of 0xFFFFFFFF: the frames after it cannot be found, so the sender is reported."""
+    roles: list[tuple[Role, int]] = [("frontend", 0), ("worker", 0)]
+    serve = Serve(make_plan(child, "oversize", roles, grace_period_s=1.0), tmp_path / "rt")
+    code = serve.finish()
+    assert code == 1, serve.text
+    assert re.search(r"worker:0 \(pid \d+\) broke the frame protocol \(a frame of 4294967295 bytes is over the limit "
+                     r"of 4096 bytes\); its connection was closed", serve.text), serve.text
     assert_all_gone(list(serve.child_pids().values()))
 
 

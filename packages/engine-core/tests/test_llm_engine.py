@@ -377,3 +377,54 @@ def test_an_add_the_scheduler_refuses_leaves_nothing_behind(monkeypatch):
     assert added == ["r_0"]  # one child made it in before the refusal
     assert not engine.has_unfinished_requests() and not engine.scheduler.requests
     assert engine.block_manager.usage == 0
+
+
+def test_a_step_timeout_is_fatal_not_retried():
+    from loom.engine.errors import StepTimeoutError
+
+    class Stuck(FakeExecutor):
+        def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+            self.steps += 1
+            raise StepTimeoutError("a model step has run 1 s without the workers' output")
+
+    engine = make_engine()
+    engine.executor = Stuck(engine.executor.num_blocks)
+    for i, p in enumerate(random_prompts(3)):
+        engine.add_request(str(i), None, p, SamplingParams(max_tokens=4))
+    with pytest.raises(StepTimeoutError):
+        engine.step()
+    assert engine.executor.steps == 1 and not engine.scheduler.suspects  # no re-running one at a time
+
+
+def test_the_multiproc_executor_gives_up_on_a_step_after_its_timeout():
+    import time
+    from collections import deque
+
+    from loom.engine.errors import StepTimeoutError
+    from loom.engine.multiproc_executor import MultiprocExecutor
+    from loom.ipc.channel import Message
+    from loom.ipc.messages import AbortRequests, Kind
+
+    class SilentWorkers:
+        """The workers take the step and never answer; the front end sends an abort meanwhile."""
+
+        def __init__(self) -> None:
+            self.sent, self.inbox = [], [Message("frontend", Kind.ABORT, AbortRequests(request_ids=["x"]))]
+
+        def send(self, dst, msg) -> None:
+            self.sent.append((dst, msg))
+
+        def recv(self, timeout=None):
+            if self.inbox:
+                return self.inbox.pop()
+            time.sleep(timeout)
+            return None
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)  # past the start-up handshake
+    executor.channel, executor.pending, executor.step_timeout = SilentWorkers(), deque(), 0.3
+    started = time.monotonic()
+    with pytest.raises(StepTimeoutError, match=r"run 0.3 s without the workers' output \(--step-timeout\)"):
+        executor.execute_model(SchedulerOutput())
+    assert 0.3 <= time.monotonic() - started < 3
+    assert [m.body for m in executor.pending] == [AbortRequests(request_ids=["x"])]  # kept for the engine loop
+    assert executor.channel.sent[0][0] == "workers"

@@ -202,3 +202,40 @@ def test_stat_logger_factory_without_record_is_a_clear_error(monkeypatch) -> Non
     monkeypatch.setattr(metrics, "load_plugins_strict", lambda group, *, kind: {"boom": boom})
     with pytest.raises(PluginError, match="'boom'.*no config for me"):
         load_stat_loggers(SimpleNamespace())
+
+
+def test_a_stuck_engine_core_makes_adds_wait_off_the_loop_then_refuses_them():
+    """The writer thread blocks on a full socket; the caller never does: past the limit, a 503-able refusal."""
+    import threading
+
+    from loom.engine.core_client import ProcCoreConnection
+    from loom.engine.errors import EngineOverloadedError
+    from loom.ipc.messages import AbortRequests, AddRequest
+
+    class StuckChannel:
+        def __init__(self) -> None:
+            self.release, self.sent = threading.Event(), []
+
+        def send(self, dst, msg) -> None:
+            self.release.wait(30)  # the engine core reads nothing until released
+            self.sent.append(msg)
+
+    channel = StuckChannel()
+    conn = ProcCoreConnection(channel, max_queued_adds=3)
+    add = lambda i: AddRequest(request_id=str(i), prompt=None, prompt_token_ids=[1], sampling_params=SamplingParams())  # noqa: E731
+    started = time.monotonic()
+    for i in range(3):
+        conn.add_request(add(i))
+    conn.abort_requests(["1"])  # aborts always queue
+    with pytest.raises(EngineOverloadedError, match="3 are waiting to reach it"):
+        conn.add_request(add(3))
+    assert time.monotonic() - started < 1  # nothing blocked the caller
+    channel.release.set()
+    deadline = time.monotonic() + 10
+    while len(channel.sent) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [getattr(m, "request_id", None) or m.request_ids for m in channel.sent] == ["0", "1", "2", ["1"]]
+    conn.add_request(add(4))  # room again
+    while len(channel.sent) < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(channel.sent[3], AbortRequests) and channel.sent[4].request_id == "4"

@@ -644,6 +644,12 @@ def test_health_before_ready_and_bind_errors(engine_client) -> None:
         r = tc.get("/health")
         assert r.status_code == 503 and "starting" in r.json()["error"]["message"]
         assert tc.post("/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 503
+        r = tc.get("/ready")
+        assert r.status_code == 503 and "starting" in r.json()["error"]["message"]
+        assert tc.head("/health").status_code == 503
+    with TestClient(build_app(engine_client, MODEL, endpoint_plugins={})) as tc:
+        assert [tc.get("/ready").status_code, tc.head("/ready").status_code, tc.head("/health").status_code] == \
+            [200, 200, 200]
 
     import socket
 

@@ -58,6 +58,9 @@ class ServerConfig:
                                                                     "line), so it stays out of ps")
     startup_timeout: float = flag(300.0, type=float, help="seconds each start-up phase of each process may take")
     grace_period: float = flag(10.0, type=float, help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    step_timeout: float = flag(600.0, type=float,
+                               help="seconds one model step may take; a longer one (a worker stuck in a kernel) "
+                                    "stops the serve with a report (default 600; 0: no limit)")
     heartbeat_timeout: float = flag(10.0, type=_heartbeat_timeout,
                                     help="a process silent this many seconds once serving (stopped, frozen) is "
                                          "reported like a death and the serve stops (default 10; 0: not watched)")

@@ -79,6 +79,7 @@ class EngineClient:
 
     stream_interval: int = 1
     """Tokens per streamed delta at least (``--stream-interval``); the last delta may hold fewer."""
+    _stopping: bool = False
 
     def __init__(
         self,
@@ -146,10 +147,15 @@ class EngineClient:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self.connection.add_request(AddRequest(
-            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-            sampling_params=sampling_params, stream=True,
-        ))
+        try:
+            self.connection.add_request(AddRequest(
+                request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+                sampling_params=sampling_params, stream=True,
+            ))
+        except BaseException:  # refused (overloaded) or failed: nothing of it stays behind
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
         async for item in self._stream(request_id, stream.queue):
             yield item
 

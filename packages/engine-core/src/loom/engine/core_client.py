@@ -5,29 +5,69 @@ reader thread takes the frames that come back: OUTPUTS (routed to the request st
 ENGINE_READY, SHUTDOWN (drain) and PEER_DIED. When the supervisor reports a dead process
 or goes away, every request in flight ends with ``EngineDeadError`` naming the process and
 the cause, and ``/health`` answers 503 from then on.
+
+Frames are written by a thread of their own, never by the event loop: when the engine core
+stops reading (stopped, or slower than the requests come), the supervisor's outbox fills and
+a write would block. Up to ``MAX_QUEUED_ADDS`` new requests may wait to be written; past that
+``add_request`` refuses with ``EngineOverloadedError`` (a 503 with a retry hint) and the front
+end keeps answering. Aborts always queue, in order after the request they abort.
 """
 
 from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
 
 from ..ipc.channel import Channel
 from ..ipc.messages import AbortRequests, AddRequest, EngineOutputs, EngineReady, Kind, Shutdown
 from ..logger import init_logger
 from .client import CoreConnection, EngineClient
+from .errors import EngineOverloadedError
 
 logger = init_logger(__name__)
+
+
+MAX_QUEUED_ADDS = 256
 
 
 class ProcCoreConnection(CoreConnection):
     thread_name = "loom-core-client"
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, max_queued_adds: int = MAX_QUEUED_ADDS) -> None:
         self.channel = channel
+        self.max_queued_adds = max_queued_adds
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._queued_adds = 0
+        self._count_lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write, name="loom-core-writer", daemon=True)
+        self._writer.start()
 
     def add_request(self, request: AddRequest) -> None:
-        self.channel.send("engine_core", request)
+        with self._count_lock:
+            if self._queued_adds >= self.max_queued_adds:
+                raise EngineOverloadedError(
+                    f"the engine core is not taking requests ({self._queued_adds} are waiting to reach it); "
+                    "retry in a moment")
+            self._queued_adds += 1
+        self._outbox.put(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.channel.send("engine_core", AbortRequests(request_ids=request_ids))
+        self._outbox.put(AbortRequests(request_ids=request_ids))
+
+    def _write(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            try:
+                self.channel.send("engine_core", msg)
+            except OSError:
+                return  # the supervisor is gone; the reader thread reports it
+            except Exception:  # a message that does not encode: a bug; its request never gets an answer
+                logger.exception("The front end could not send a %s", type(msg).__name__)
+            finally:
+                if isinstance(msg, AddRequest):
+                    with self._count_lock:
+                        self._queued_adds -= 1
 
     async def shutdown(self) -> None:
         """Nothing to stop here: the supervisor stops the engine-core process after the front end."""

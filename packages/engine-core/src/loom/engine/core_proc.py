@@ -9,6 +9,7 @@ ABORT frames and sends each report back as one OUTPUTS frame.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +22,7 @@ from ..logger import init_logger
 from ..platforms import current_platform  # noqa: F401 - importing it resolves the platform, before any plugin
 from ..transformers_utils.tokenizer import get_tokenizer
 from .core import Command, EngineCore
+from .errors import EngineFatalError
 from .llm_engine import LLMEngine
 from .multiproc_executor import MultiprocExecutor
 
@@ -52,17 +54,24 @@ class ChannelInbox:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loom.engine.core_proc")
+    parser.add_argument("--step-timeout", type=float, default=0.0, help="seconds a model step may take (0: no limit)")
+    args = parser.parse_args(argv)
     load_general_plugins()
     channel = Channel.connect("engine_core")
     config = channel.config()
     tokenizer = get_tokenizer(config.model_config)
-    executor = MultiprocExecutor(config, channel)
+    executor = MultiprocExecutor(config, channel, step_timeout=args.step_timeout)
     core = EngineCore(LLMEngine(config, executor, tokenizer))
     envs.enable_envs_cache()
     channel.send("frontend", EngineReady(num_blocks=executor.num_blocks, block_size=config.cache_config.block_size))
     channel.ready()
     logger.info("Engine core is ready")
-    core.run(ChannelInbox(channel, executor), lambda out: channel.send("frontend", out))
+    try:
+        core.run(ChannelInbox(channel, executor), lambda out: channel.send("frontend", out))
+    except EngineFatalError as e:
+        logger.error("%s", e)
+        return 1
     return 0
 
 

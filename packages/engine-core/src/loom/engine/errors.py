@@ -15,8 +15,20 @@ class ShuttingDownError(EngineError):
     """The server stopped before this request finished: its drain's grace period ran out (503)."""
 
 
+class EngineOverloadedError(EngineError):
+    """Requests wait to reach the engine faster than it takes them: refused now, retry shortly (503)."""
+
+
 class RequestFailedError(EngineError):
     """The engine failed this request (e.g. its model step raised) and serves the others (500)."""
+
+
+class EngineFatalError(RuntimeError):
+    """The engine cannot go on (a worker stuck in a step): its process ends and the supervisor reports it."""
+
+
+class StepTimeoutError(EngineFatalError):
+    """A model step ran longer than ``--step-timeout``."""
 
 
 class EngineStepError(RuntimeError):

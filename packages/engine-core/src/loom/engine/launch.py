@@ -70,7 +70,8 @@ def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge
         frontend_env = dict(env, **({"LOOM_API_KEY": server.api_key} if server.api_key else {}))
         processes.append(ProcessPlan(role="frontend", env=frontend_env,
                                      argv=[python, "-m", "loom.entrypoints.frontend", *server.to_argv()]))
-        processes.append(ProcessPlan(role="engine_core", env=env, argv=[python, "-m", "loom.engine.core_proc"]))
+        processes.append(ProcessPlan(role="engine_core", env=env, argv=[
+            python, "-m", "loom.engine.core_proc", f"--step-timeout={server.step_timeout}"]))
     else:
         processes.append(ProcessPlan(role="engine_core", env=dict(env, LOOM_BRIDGE_SOCKET=str(bridge_socket)),
                                      argv=[python, "-m", "loom.engine.bridge"]))

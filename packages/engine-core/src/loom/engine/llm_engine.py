@@ -20,7 +20,7 @@ from ..logger import init_logger
 from ..outputs import RequestOutput
 from ..stats import EngineStats
 from .block_manager import BlockManager
-from .errors import EngineStepError
+from .errors import EngineFatalError, EngineStepError
 from .executor import Executor
 from .output_processor import OutputProcessor
 from .request import RequestStatus
@@ -157,6 +157,8 @@ class LLMEngine:
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
             return self.executor.execute_model(scheduler_output)
+        except EngineFatalError:
+            raise  # nothing to retry: the engine's process ends
         except Exception as e:
             parents = (self.output_processor.parent_of(r.req_id) for r in scheduler_output.scheduled)
             failed = sorted({p for p in parents if p is not None})

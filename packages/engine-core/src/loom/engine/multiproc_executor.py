@@ -4,11 +4,14 @@ Every message goes through the supervisor. At start-up it collects each rank's
 ``WorkerInfo``, sizes the KV cache from the smallest offer, and waits for every rank to
 allocate it. Each step fans the SchedulerOutput out to ``workers`` and waits for the
 driver's (rank 0) ``MODEL_OUTPUT``; frames from the front end that arrive meanwhile are
-kept for the engine loop.
+kept for the engine loop. A step whose output does not come within ``step_timeout``
+seconds (a worker alive, sending heartbeats, but stuck in a kernel or a collective) raises
+``StepTimeoutError``: the engine core ends and the supervisor reports it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TypeVar
 
@@ -18,6 +21,7 @@ from ..config import LoomConfig
 from ..ipc.channel import Channel, Message
 from ..ipc.messages import CacheReady, InitCache, StepError, WorkerInfo
 from ..logger import init_logger
+from .errors import StepTimeoutError
 from .executor import Executor, num_blocks_for
 
 logger = init_logger(__name__)
@@ -30,9 +34,11 @@ class WorkerStepError(RuntimeError):
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: LoomConfig, channel: Channel) -> None:
+    def __init__(self, config: LoomConfig, channel: Channel, step_timeout: float | None = None) -> None:
         self.config = config
         self.channel = channel
+        self.step_timeout = step_timeout or None
+        """Seconds a model step may take (None: no limit)."""
         self.pending: deque[Message] = deque()
         world = config.parallel_config.world_size
         infos: dict[int, WorkerInfo] = {}
@@ -52,9 +58,15 @@ class MultiprocExecutor(Executor):
             ready.add(self._recv_from_workers(CacheReady).rank)
         logger.info("%d worker(s) allocated %d KV-cache blocks of %d tokens", world, self.num_blocks, block_size)
 
-    def _recv_from_workers(self, tp: type[T]) -> T:
+    def _recv_from_workers(self, tp: type[T], timeout: float | None = None) -> T:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            msg = self.channel.recv()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise StepTimeoutError(
+                    f"a model step has run {timeout:g} s without the workers' output (--step-timeout): a worker is "
+                    "stuck in the step although its process answers; stopping the serve")
+            msg = self.channel.recv(timeout=left)
             if msg is None:
                 continue
             if isinstance(msg.body, tp):
@@ -65,4 +77,4 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.channel.send("workers", scheduler_output)
-        return self._recv_from_workers(ModelRunnerOutput)
+        return self._recv_from_workers(ModelRunnerOutput, self.step_timeout)

@@ -80,7 +80,8 @@ class Channel:
                 else:
                     body = decode_body(kind, frame.body)
             except (ValueError, TypeError, KeyError, ProtocolError) as e:
-                logger.error("Dropped a %s frame from %s that does not decode: %s", frame.kind, frame.src, e)
+                # escaped: a peer's text must not forge log lines
+                logger.error("Dropped a %a frame from %a that does not decode: %a", frame.kind, frame.src, str(e))
                 if frame.kind != Kind.PEER_DIED.value:
                     continue
                 body = None  # a process died all the same: the receiver must hear it

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from loom_plugin_api import ENDPOINT_PLUGINS_GROUP, PluginError, load_plugins_strict
 from pydantic import BaseModel
@@ -28,7 +29,17 @@ from ...engine.client import EngineClient
 from ...logger import init_logger
 from ...metrics import ServerMetrics
 from .limits import BodySizeLimitMiddleware, RequestLimits
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import APIError, tokenizer_executor
@@ -61,22 +72,27 @@ def build_app(
     app.state.metrics = metrics
     _add_error_handlers(app)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_responses(
+        _GENERATION_ERRORS, stream=CompletionChunk))
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
         return _respond(await _unless_disconnected(raw_request, completion.create_completion(request)))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_responses(
+        _GENERATION_ERRORS, stream=ChatCompletionChunk))
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
         return _respond(await _unless_disconnected(raw_request, chat.create_chat_completion(request)))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_responses({401: "the API key is missing or wrong"}))
     async def show_models() -> ModelList:
         config = engine_client.config.model_config
         # root is the served name: the model's path on the server's disk is not the client's business
         return ModelList(data=[ModelCard(id=name, root=names[0], max_model_len=config.max_model_len)
                                for name in names])
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    health_errors = _responses({503: "a process of the serve is dead or not responding, or the engine is starting"})
+
+    @app.head("/health", operation_id="health_head", responses=health_errors, response_class=Response)
+    @app.get("/health", operation_id="health", responses=health_errors, response_class=Response)
     async def health() -> Response:
         dead = engine_client.dead_error
         if dead is not None:
@@ -85,16 +101,31 @@ def build_app(
             return APIError("the engine is starting", status=503, type="service_unavailable").response()
         return Response(status_code=200)
 
+    ready_errors = _responses({503: "the engine takes no new requests: starting, draining or dead"})
+
+    @app.head("/ready", operation_id="ready_head", responses=ready_errors, response_class=Response)
+    @app.get("/ready", operation_id="ready", responses=ready_errors, response_class=Response)
+    async def ready() -> Response:
+        """200 only while the engine takes new requests: not while starting, draining or dead (a load
+        balancer's readiness probe; ``/health`` is liveness)."""
+        if engine_client.is_ready:
+            return Response(status_code=200)
+        why = engine_client.dead_error or ("the server is shutting down" if engine_client.stopping
+                                           else "the engine is starting")
+        return APIError(why, status=503, type="service_unavailable").response()
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                          "description": "Prometheus metrics"}})
     async def show_metrics() -> Response:
         metrics.update_engine_stats(engine_client.get_stats())
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimitMiddleware, limit=limits.max_request_body_bytes)
@@ -122,6 +153,40 @@ def apply_endpoint_plugins(app: FastAPI, plugins: Mapping[str, Callable[[FastAPI
             raise PluginError(f"endpoint plugin {name!r} adds routes that already exist: {shadowed}; "
                               "the first route wins, so the plugin's would never run")
         logger.info("Endpoint plugin %s added %s", name, ", ".join(f"{m} {p}" for p, m in added) or "no routes")
+
+
+_GENERATION_ERRORS = {
+    400: "the request is invalid or over a limit (the message names the field and the limit)",
+    401: "the API key is missing or wrong",
+    404: "the model named does not exist",
+    413: "the request body is over --max-request-body-bytes",
+    500: "the model step failed for this request (its own error; other requests are unaffected)",
+    503: "the engine is starting, shutting down, dead, or not taking requests fast enough (Retry-After)",
+}
+
+
+def _responses(errors: Mapping[int, str], stream: type[BaseModel] | None = None) -> dict[int | str, Any]:
+    """OpenAPI declarations of what a route answers besides its 200: OpenAI's error body for each
+    status, and server-sent events of ``stream`` chunks when the request asks to stream."""
+    out: dict[int | str, Any] = {status: {"model": ErrorResponse, "description": why} for status, why in errors.items()}
+    if stream is not None:
+        out[200] = {"description": f"JSON; or with stream=true, server-sent events: `data: <{stream.__name__}>` "
+                                   "lines (an error event in OpenAI's error shape if one happens), then `data: [DONE]`",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    return out
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without the 422 it adds to every route with a body: loom answers 400."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _respond(result: Any) -> Any:

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from loom_plugin_api import SamplingParams
 
 from ...engine.client import EngineClient
-from ...engine.errors import EngineDeadError, EngineError, ShuttingDownError
+from ...engine.errors import EngineDeadError, EngineError, EngineOverloadedError, ShuttingDownError
 from ...logger import init_logger
 from ...metrics import ServerMetrics
 from ...outputs import CompletionOutput, Logprob, RequestOutput
@@ -38,16 +38,18 @@ class APIError(Exception):
     """An error answered in OpenAI's shape; raised anywhere in a handler."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
+                 param: str | None = None, code: str | int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
                                              code=self.code if self.code is not None else self.status))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status)
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
 def api_error_from(exc: BaseException) -> APIError:
@@ -60,6 +62,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(str(exc), status=503, type="engine_dead_error")
     if isinstance(exc, ShuttingDownError):
         return APIError(str(exc), status=503, type="service_unavailable")
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(str(exc), status=503, type="service_unavailable", headers={"Retry-After": "1"})
     if isinstance(exc, EngineError):
         return APIError(str(exc), status=500, type="server_error")
     logger.exception("Unexpected error while serving a request", exc_info=exc)
