@@ -86,3 +86,14 @@ def test_workers_of_small_models_spin_briefly_unless_the_operator_says(monkeypat
     workers = [p for p in plan.processes if p.role == "worker"]
     assert [p.env.get("GOMP_SPINCOUNT") for p in workers] == [want, want]
     assert all("GOMP_SPINCOUNT" not in p.env or operator for p in plan.processes if p.role != "worker")
+
+
+def test_tensor_parallel_workers_talk_over_loopback_only(monkeypatch) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    plan = build_plan(config(2), ServerConfig())
+    workers = [p for p in plan.processes if p.role == "worker"]
+    assert [p.env.get("GLOO_SOCKET_IFNAME") for p in workers] == ["lo", "lo"]
+    assert all(p.env["LOOM_DIST_INIT_METHOD"].startswith("tcp://127.0.0.1:") for p in workers)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # the operator's interface wins
+    assert {p.env["GLOO_SOCKET_IFNAME"] for p in build_plan(config(2), ServerConfig()).processes
+            if p.role == "worker"} == {"eth0"}

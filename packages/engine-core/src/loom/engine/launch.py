@@ -52,6 +52,8 @@ def worker_env(env: dict[str, str], tp: int, hidden_size: int) -> dict[str, str]
     if "OMP_WAIT_POLICY" not in wenv and hidden_size < SHORT_SPIN_BELOW_HIDDEN:
         wenv.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)  # a policy the operator chose decides alone
     if tp > 1:
+        # every rank is on this machine: gloo's pairs listen on loopback only, not on every interface
+        wenv.setdefault("GLOO_SOCKET_IFNAME", "lo")
         per_rank = max(1, (os.cpu_count() or 1) // tp)
         wenv.setdefault("LOOM_CPU_NUM_THREADS", str(per_rank))
         wenv.setdefault("OMP_NUM_THREADS", str(per_rank))
