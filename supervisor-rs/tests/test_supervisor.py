@@ -76,7 +76,6 @@ CHILD = textwrap.dedent(
         time.sleep(60)
     if behaviour == "stop_itself" and role == "worker":
         wait_for_file(frontend_listens)
-        log("stopping myself")
         os.kill(os.getpid(), signal.SIGSTOP)
 
     def block():  # until the supervisor stops us
@@ -397,39 +396,25 @@ def test_a_crash_during_start_up_is_reported_with_its_phase(
     assert list((tmp_path / "xdg").iterdir()) == []
 
 
-def test_a_silent_child_is_reported_as_not_responding(child: Path, tmp_path: Path) -> None:
-    """A worker that stops itself after READY: its heartbeats end, and the supervisor reports it."""
+@pytest.mark.parametrize(("behaviour", "limits", "report"), [
+    # it stops itself after READY: its heartbeats end
+    ("stop_itself", {"heartbeat_timeout_s": 2.0},
+     r"is not responding: no heartbeat for 2 s \(process state: T \(stopped\)\)"),
+    ("close_and_live", {}, r"closed its connection to the supervisor but kept running"),
+    # a length prefix of 0xFFFFFFFF: the frames after it cannot be found, so the sender is reported
+    ("oversize", {}, r"broke the frame protocol \(a frame of 4294967295 bytes is over the limit of 4096 bytes\); "
+                     r"its connection was closed"),
+])
+def test_a_running_child_that_stops_answering_is_reported(child: Path, tmp_path: Path, behaviour: str,
+                                                          limits: dict[str, float], report: str) -> None:
     roles: list[tuple[Role, int]] = [("frontend", 0), ("worker", 0)]
-    serve = Serve(make_plan(child, "stop_itself", roles, heartbeat_timeout_s=2.0, grace_period_s=1.0),
-                  tmp_path / "rt")
-    serve.wait_for("stopping myself")
+    serve = Serve(make_plan(child, behaviour, roles, grace_period_s=1.0, **limits), tmp_path / "rt")
+    serve.wait_for("loom-supervisor: all 2 processes ready")
     started = time.monotonic()
     code = serve.finish()
     assert code == 1, serve.text
     assert time.monotonic() - started < 10, serve.text
-    assert re.search(r"worker:0 \(pid \d+\) is not responding: no heartbeat for 2 s \(process state: T \(stopped\)\)",
-                     serve.text), serve.text
-    assert_all_gone(list(serve.child_pids().values()))
-
-
-def test_a_child_that_closes_its_connection_but_lives_is_reported(child: Path, tmp_path: Path) -> None:
-    roles: list[tuple[Role, int]] = [("frontend", 0), ("worker", 0)]
-    serve = Serve(make_plan(child, "close_and_live", roles, grace_period_s=1.0), tmp_path / "rt")
-    code = serve.finish()
-    assert code == 1, serve.text
-    assert re.search(r"worker:0 \(pid \d+\) closed its connection to the supervisor but kept running",
-                     serve.text), serve.text
-    assert_all_gone(list(serve.child_pids().values()))
-
-
-def test_a_frame_over_the_limit_closes_the_connection_and_stops_the_serve(child: Path, tmp_path: Path) -> None:
-    """A length prefix of 0xFFFFFFFF: the frames after it cannot be found, so the sender is reported."""
-    roles: list[tuple[Role, int]] = [("frontend", 0), ("worker", 0)]
-    serve = Serve(make_plan(child, "oversize", roles, grace_period_s=1.0), tmp_path / "rt")
-    code = serve.finish()
-    assert code == 1, serve.text
-    assert re.search(r"worker:0 \(pid \d+\) broke the frame protocol \(a frame of 4294967295 bytes is over the limit "
-                     r"of 4096 bytes\); its connection was closed", serve.text), serve.text
+    assert re.search(rf"worker:0 \(pid \d+\) {report}", serve.text), serve.text
     assert_all_gone(list(serve.child_pids().values()))
 
 

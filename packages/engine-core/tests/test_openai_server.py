@@ -579,6 +579,7 @@ class DyingEngineClient(EngineClient):
     """Streams two tokens, then the engine-core process dies (as the supervisor reports it)."""
 
     CAUSE = "engine_core (pid 4242) died: killed by signal 9 (SIGKILL)"
+    stopping = False
 
     def __init__(self, real: EngineClient) -> None:
         self.config, self.tokenizer = real.config, real.tokenizer

@@ -79,7 +79,6 @@ class EngineClient:
 
     stream_interval: int = 1
     """Tokens per streamed delta at least (``--stream-interval``); the last delta may hold fewer."""
-    _stopping: bool = False
 
     def __init__(
         self,

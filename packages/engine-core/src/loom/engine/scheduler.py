@@ -111,11 +111,7 @@ class Scheduler:
         """
         suspects = [r for r in req_ids if r in self.requests]
         for req in sorted(self.running, key=_arrival, reverse=True):
-            self.block_manager.free(req, invalidate=req.request_id in suspects)
-            req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = 0
-            self.waiting.appendleft(req)
-            self.num_preemptions += 1
+            self._preempt(req, invalidate=req.request_id in suspects)
         self.running = []
         self.isolated = None
         self.suspects.update(suspects)
@@ -230,8 +226,8 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, req: Request) -> None:
-        self.block_manager.free(req)
+    def _preempt(self, req: Request, invalidate: bool = False) -> None:
+        self.block_manager.free(req, invalidate)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         self.waiting.appendleft(req)

@@ -145,9 +145,8 @@ def _decoder(tp: Any) -> _Fn:
             fn = _decoder(inner[0])
             return lambda x: None if x is None else fn(x)
     elif origin is list:
-        item = _decoder(args[0])
-        if _leaf_check(args[0]) is not None:  # token ids and the like: checked in place, not copied
-            allowed = frozenset(t for m in typing.get_args(args[0]) or (args[0],) for t in _LEAVES[m])
+        allowed = _allowed(args[0])
+        if allowed is not None:  # token ids and the like: checked in place, not copied
 
             def check_list(xs: Any) -> list[Any]:
                 if type(xs) is not list:
@@ -157,6 +156,7 @@ def _decoder(tp: Any) -> _Fn:
                 return xs
 
             return check_list
+        item = _decoder(args[0])
 
         def decode_list(xs: Any) -> list[Any]:
             if type(xs) is not list:

@@ -42,7 +42,7 @@ from .protocol import (
 )
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
-from .serving_engine import APIError, tokenizer_executor
+from .serving_engine import APIError, TokenizerThread
 
 logger = init_logger(__name__)
 
@@ -64,9 +64,11 @@ def build_app(
         raise ValueError("served_model_name is empty; give at least one name")
     limits = limits or RequestLimits()
     metrics = ServerMetrics(names[0])
-    executor = tokenizer_executor()  # one tokenizing thread for both endpoints
-    completion = OpenAIServingCompletion(engine_client, names, metrics, limits=limits, executor=executor)
-    chat = OpenAIServingChat(engine_client, names, metrics, chat_template, limits=limits, executor=executor)
+    tokenizer_thread = TokenizerThread(engine_client.tokenizer)  # one for both endpoints
+    completion = OpenAIServingCompletion(engine_client, names, metrics, limits=limits,
+                                         tokenizer_thread=tokenizer_thread)
+    chat = OpenAIServingChat(engine_client, names, metrics, chat_template, limits=limits,
+                             tokenizer_thread=tokenizer_thread)
     app = FastAPI(title="loom", version=__version__)
     app.state.engine_client = engine_client
     app.state.metrics = metrics

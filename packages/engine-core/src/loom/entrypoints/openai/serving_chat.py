@@ -110,9 +110,9 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("messages is empty; give at least one message", param="messages")
         messages = [_message_dict(m) for m in request.messages]
         # bounded before the template renders them: the prompt holds every message's content
-        self.check_text_length("".join(m["content"] for m in messages if isinstance(m["content"], str)), "messages")
+        self.check_text_length(sum(len(m["content"]) for m in messages if isinstance(m["content"], str)), "messages")
         try:
-            text = await self.in_tokenizer_thread(
+            text = await self.tokenizer_thread.run(
                 tokenizer.apply_chat_template,
                 messages, tokenize=False, chat_template=self.chat_template,
                 add_generation_prompt=request.add_generation_prompt,

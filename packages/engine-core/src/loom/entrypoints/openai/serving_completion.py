@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._prompts(items)
         echo = None
         if request.echo:
-            texts = [text if text is not None else await self.in_tokenizer_thread(self.tokenizer.decode, ids)
+            texts = [text if text is not None else await self.tokenizer_thread.run(self.tokenizer.decode, ids)
                      for text, ids in prompts]
             echo = _Echo(texts=texts,
                          prompt_token_ids=[ids for _, ids in prompts], only=request.max_tokens == 0,

@@ -27,7 +27,7 @@ from ...logger import init_logger
 from ...metrics import ServerMetrics
 from ...outputs import CompletionOutput, Logprob, RequestOutput
 from .limits import RequestLimits
-from .protocol import ErrorInfo, ErrorResponse, _SamplingRequest
+from .protocol import ErrorInfo, ErrorResponse, _SamplingRequest, unicode_text
 
 logger = init_logger(__name__)
 
@@ -84,11 +84,6 @@ class ChoiceState:
     stop_reason: int | str | None = None
 
 
-def tokenizer_executor() -> ThreadPoolExecutor:
-    """The one thread that tokenizes for a server (a tokenizer is not meant for concurrent calls)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-tokenizer")
-
-
 def longest_token(tokenizer: Any) -> int | None:
     """Characters of the vocabulary's longest token (byte-level BPE: bytes), None without a vocabulary."""
     get_vocab = getattr(tokenizer, "get_vocab", None)
@@ -98,43 +93,51 @@ def longest_token(tokenizer: Any) -> int | None:
     return max(map(len, vocab), default=None) if vocab else None
 
 
+class TokenizerThread:
+    """The one thread that tokenizes for a server (a tokenizer is not meant for concurrent calls),
+    and the vocabulary's longest token, read once for every endpoint."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-tokenizer")
+        self.longest_token = longest_token(tokenizer)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args, **kwargs))
+
+
 class OpenAIServing:
     def __init__(self, engine_client: EngineClient, served_model_names: Sequence[str],
                  metrics: ServerMetrics | None = None, *, limits: RequestLimits | None = None,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+                 tokenizer_thread: TokenizerThread | None = None) -> None:
         self.engine_client = engine_client
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
         self.limits = limits or RequestLimits()
-        self.executor = executor or tokenizer_executor()
         self.tokenizer = engine_client.tokenizer
+        self.tokenizer_thread = tokenizer_thread or TokenizerThread(self.tokenizer)
         model_config = engine_client.config.model_config
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
-        longest = longest_token(self.tokenizer)
+        longest = self.tokenizer_thread.longest_token
         self.max_prompt_chars: int | None = None if longest is None else self.max_model_len * max(longest, 1)
         """A text longer than this has more than max_model_len tokens, whatever they are."""
 
     # ---- tokenizing off the event loop --------------------------------------------------
-    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args, **kwargs))
-
-    def check_text_length(self, text: str, param: str) -> None:
-        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
             raise APIError(
-                f"{param} has {len(text)} characters, more than {self.max_prompt_chars}: that is more than this "
+                f"{param} has {num_chars} characters, more than {self.max_prompt_chars}: that is more than this "
                 f"model's maximum context length of {self.max_model_len} tokens whatever the tokens are. Shorten it.",
                 param=param)
 
     async def encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
         """Token ids of a text, after the checks that need no tokenizing; on the tokenizer's thread."""
-        self.check_text_length(text, param)
+        self.check_text_length(len(text), param)
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise APIError(f"{param} has a lone surrogate {text[e.start]!r} at character {e.start}, which is not "
-                           "valid Unicode; send UTF-8 text", param=param) from None
-        return list(await self.in_tokenizer_thread(self.tokenizer.encode, text, **kwargs))
+            unicode_text(text)  # chat text comes from content parts and the template, not a checked field
+        except ValueError as e:
+            raise APIError(f"{param}: {e}", param=param) from None
+        return list(await self.tokenizer_thread.run(self.tokenizer.encode, text, **kwargs))
 
     # ---- checks before anything reaches the engine --------------------------------------
     def check_request(self, request: _SamplingRequest) -> str:
