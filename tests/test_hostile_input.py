@@ -38,6 +38,9 @@ CASES = [
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "min_tokens": HUGE}, 400, "min_tokens",
      "maximum context length"),
     (COMPLETION, {"prompt": "hi", "max_tokens": 1, "seed": 2**64}, 400, None, "seed must be in"),
+    (COMPLETION, {"prompt": "hi", "max_tokens": 1, "logprobs": 2**70}, 400, None, "logprobs must be in [0, 20]"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400, None,
+     "logprobs must be in [0, 20]"),
     (COMPLETION, {"prompt": "\ud800", "max_tokens": 1}, 400, "prompt", "lone surrogate"),
     (CHAT, {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 1}, 400, "messages",
      "lone surrogate"),
@@ -150,3 +153,14 @@ def test_a_chunked_body_over_the_limit_is_refused_as_it_arrives(hostile_server):
     assert r.status_code == 413, r.text[:300]
     assert f"has more than {BODY_LIMIT} bytes" in r.json()["error"]["message"]
     assert httpx.get(hostile_server.url + "/health", timeout=5).status_code == 200
+
+
+def test_the_model_path_is_accepted_but_never_shown(hostile_server, tiny_llama):
+    url, path = hostile_server.url, str(tiny_llama)
+    models = httpx.get(url + "/v1/models", timeout=5)
+    assert [m["id"] for m in models.json()["data"]] == [tiny_llama.name]
+    assert path not in models.text
+    r = httpx.post(url + COMPLETION, json={"model": path, "prompt": "hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == tiny_llama.name, r.text[:300]
+    r = httpx.post(url + COMPLETION, json={"model": "other", "prompt": "hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 404 and path not in r.text and tiny_llama.name in r.json()["error"]["message"]

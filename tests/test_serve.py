@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import loom_supervisor  # noqa: F401  (a missing supervisor wheel is an error, not a skip)
 import openai
@@ -45,7 +46,37 @@ def test_tp2_completions_chat_streaming_match_llm(tp2_server, tiny_llama):
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
                                             stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat_want
-    assert [m.id for m in client.models.list().data] == [model]
+    assert [m.id for m in client.models.list().data] == [tiny_llama.name]  # the path is not shown
+
+
+def _listening(pid: int) -> list[str]:
+    """The local addresses of ``pid``'s listening TCP sockets, as /proc/net shows them (hex)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in list(f)[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    found.append(cols[1])
+    return found
+
+
+LOOPBACK = ("0100007F:", "0000000000000000FFFF00000100007F:", "00000000000000000000000001000000:")
+
+
+def test_tp2_workers_listen_on_loopback_only(tp2_server):
+    workers = [pid for role, pid in tp2_server.child_pids().items() if role.startswith("worker")]
+    addresses = {pid: _listening(pid) for pid in workers}
+    assert any(addresses.values()), addresses  # rank 0's store and gloo's pairs do listen
+    assert all(a.startswith(LOOPBACK) for found in addresses.values() for a in found), addresses
 
 
 def _forward_oot_logged(log: str, rank: int) -> bool:

@@ -93,7 +93,7 @@ def check_auth(serve: Serve, model: str, key: str) -> None:
         wrong.models.list()
     assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
     right = openai.OpenAI(base_url=serve.url + "/v1", api_key=key, max_retries=0, timeout=60)
-    assert [m.id for m in right.models.list().data] == [model]
+    assert [m.id for m in right.models.list().data] == [Path(model).name]  # the served name, not the path
     r = right.completions.create(model=model, prompt="Hello", max_tokens=2, extra_body=IGNORE_EOS)
     assert r.usage.completion_tokens == 2
 
@@ -123,7 +123,7 @@ def scrape(url: str, model: str) -> dict[str, float]:
 def test_metrics_count_known_requests_across_processes(flag_serve, tiny_llama) -> None:
     model = str(tiny_llama)
     client = openai.OpenAI(base_url=flag_serve.url + "/v1", api_key=FLAG_KEY, max_retries=0, timeout=60)
-    before = scrape(flag_serve.url, model)
+    before = scrape(flag_serve.url, tiny_llama.name)  # labelled with the served name
     client.completions.create(model=model, prompt=[5, 6, 7, 8], max_tokens=3, extra_body=IGNORE_EOS)
     client.completions.create(model=model, prompt=[9, 10, 11, 12, 13, 14], max_tokens=2, n=2,
                               temperature=0.7, extra_body=IGNORE_EOS)
@@ -131,7 +131,7 @@ def test_metrics_count_known_requests_across_processes(flag_serve, tiny_llama) -
                                        extra_body=IGNORE_EOS)
     for _ in stream:  # to its end
         pass
-    after = scrape(flag_serve.url, model)
+    after = scrape(flag_serve.url, tiny_llama.name)
     got = {k: after[k] - before.get(k, 0.0) for k in after}
     assert {k: got[k] for k in (
         "loom:prompt_tokens_total{}", "loom:generation_tokens_total{}",

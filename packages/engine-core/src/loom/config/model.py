@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +69,7 @@ class ModelConfig:
     def __post_init__(self, device_type: str | None, platform_dtypes: tuple[str, ...] | None) -> None:
         self.model_path, self.model_format = resolve_model_path(self.model)
         if self.served_model_name is None:
-            self.served_model_name = self.model or "SmolLM2-135M-Instruct"
+            self.served_model_name = default_served_name(self.model)
         self.hf_config = get_hf_config(self.model_path, self.model_format)
         if not isinstance(self.hf_overrides, dict):
             raise ValueError(f"--hf-overrides must be a JSON object, got {self.hf_overrides!r}")
@@ -190,3 +191,13 @@ class ModelConfig:
 
     def get_vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
+
+
+def default_served_name(model: str | None) -> str:
+    """The name clients see when ``--served-model-name`` is not given: the model directory's or
+    GGUF file's own name, never the path to it (where a server keeps its files is not the
+    clients' business; ``--served-model-name PATH`` shows a path on purpose)."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(os.path.expanduser(model)))
+    return name.removesuffix(".gguf") or model

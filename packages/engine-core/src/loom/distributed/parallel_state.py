@@ -9,8 +9,11 @@ input. A worker with ``--tensor-parallel-size N > 1`` first joins ``torch.distri
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -52,9 +55,35 @@ def init_distributed_environment(
     (a worker's ``init_device`` calls it; nothing happens for a single rank)."""
     if world_size == 1:
         return
-    kwargs = {"device_id": device} if device is not None else {}
-    dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs)
+    kwargs: dict[str, Any] = {"device_id": device} if device is not None else {}
+    store = loopback_store(init_method, world_size, rank)
+    if store is not None:
+        kwargs["store"] = store
+    else:
+        kwargs["init_method"] = init_method
+    dist.init_process_group(backend, world_size=world_size, rank=rank, **kwargs)
     initialize_model_parallel(world_size)
+
+
+def loopback_store(init_method: str | None, world_size: int, rank: int) -> dist.TCPStore | None:
+    """The rendezvous store of ``tcp://127.0.0.1:PORT``, listening on loopback only.
+
+    torch's own TCPStore server listens on every interface whatever host the URL names, and
+    answers anyone who connects: on a shared machine another user could join or disturb the
+    group. Rank 0 binds the socket itself to the URL's loopback address and hands it to the
+    store. Other URLs (another host, as on Ray) go to torch unchanged."""
+    url = urlsplit(init_method or "")
+    if url.scheme != "tcp" or url.hostname not in ("127.0.0.1", "localhost") or url.port is None:
+        return None
+    listen_fd = None
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", url.port))
+        sock.listen(world_size)
+        listen_fd = sock.detach()  # the store owns it from here
+    return dist.TCPStore("127.0.0.1", url.port, world_size, is_master=rank == 0, master_listen_fd=listen_fd,
+                         timeout=timedelta(seconds=300))
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, communicator_cls: str | None = None) -> None:

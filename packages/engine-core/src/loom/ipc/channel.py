@@ -81,7 +81,8 @@ class Channel:
                     body = decode_body(kind, frame.body)
             except (ValueError, TypeError, KeyError, ProtocolError) as e:
                 # escaped: a peer's text must not forge log lines
-                logger.error("Dropped a %a frame from %a that does not decode: %a", frame.kind, frame.src, str(e))
+                logger.error("Dropped a %a frame from %a that does not decode: %a", frame.kind, frame.src,
+                             str(e) or f"{type(e).__name__} (not a msgpack body)")
                 if frame.kind != Kind.PEER_DIED.value:
                     continue
                 body = None  # a process died all the same: the receiver must hear it

@@ -116,6 +116,9 @@ class OpenAIServing:
         self.tokenizer = engine_client.tokenizer
         self.tokenizer_thread = tokenizer_thread or TokenizerThread(self.tokenizer)
         model_config = engine_client.config.model_config
+        self.model_aliases = {model_config.model} - {None} - set(self.served_model_names)
+        """The model as given to ``loom serve`` (often a path): accepted in a request's ``model``, never
+        shown, so clients written against the path keep working when the served name is the model's own."""
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         longest = self.tokenizer_thread.longest_token
@@ -142,6 +145,8 @@ class OpenAIServing:
     # ---- checks before anything reaches the engine --------------------------------------
     def check_request(self, request: _SamplingRequest) -> str:
         """Model name, engine health and fields loom cannot honour; returns the model name to answer with."""
+        if request.model in self.model_aliases:
+            request.model = None  # answered with the served name
         if request.model is not None and request.model not in self.served_model_names:
             raise APIError(f"The model `{request.model}` does not exist. Served: {', '.join(self.served_model_names)}",
                            status=404, param="model", code="model_not_found")
