@@ -381,3 +381,195 @@ def test_no_request_is_admitted_in_a_step_that_preempted():
         assert [(r.req_id, len(r.token_ids)) for r in out.scheduled] == want
         sched.update_from_output(out, fake_model(sched, out))
     assert sched.num_preemptions == 1
+
+
+# ---- failure isolation (Scheduler.isolate) ----------------------------------------------------
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    """One step that succeeds: schedule, the fake model, update."""
+    out = sched.schedule()
+    sched.update_from_output(out, fake_model(sched, out))
+    return out
+
+
+def fail_step(sched: Scheduler) -> SchedulerOutput:
+    """The next step fails as LLMEngine handles it: never updated, its requests isolated."""
+    out = sched.schedule()
+    sched.isolate(r.req_id for r in out.scheduled)  # a generator, as the engine passes it
+    return out
+
+
+def scheduled(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
+    """(request, first position, number of tokens, samples) of each request in the step."""
+    return [(r.req_id, r.num_computed_tokens, len(r.token_ids), r.sample) for r in out.scheduled]
+
+
+def cached_tokens(sched: Scheduler, tokens: list[int]) -> int:
+    return sched.block_manager.get_computed_blocks(make_request("probe", tokens + [0]))[1]
+
+
+def test_after_a_failed_step_each_suspect_runs_alone_in_arrival_order_then_all_batch_again():
+    """The failed step's requests are recomputed one per step, oldest first, each from scratch
+    (the blocks they held leave the prefix cache) until it samples; a request waiting behind
+    them and the suspects already cleared wait meanwhile; then everyone is batched again and
+    ends as it would have without the failure."""
+    prompt = list(range(1, 10))  # two full blocks and one token
+
+    def requests() -> list[Request]:
+        return [make_request("s0", prompt), make_request("s1", prompt), make_request("x", list(range(100, 110))),
+                make_request("late", list(range(300, 306)))]
+
+    expected, _ = run(make_scheduler(), requests())
+    sched = make_scheduler()
+    *suspects, late = requests()
+    for req in suspects:
+        sched.add_request(req)
+    assert scheduled(step(sched)) == [("s0", 0, 9, True), ("s1", 8, 1, True), ("x", 0, 10, True)]
+    assert scheduled(fail_step(sched)) == [("s0", 9, 1, True), ("s1", 9, 1, True), ("x", 10, 1, True)]
+    sched.add_request(late)
+
+    assert sched.suspects == {"s0", "s1", "x"}
+    assert sched.num_running == 0 and all(r.status == RequestStatus.PREEMPTED for r in suspects)
+    assert [r.request_id for r in sched.waiting] == ["s0", "s1", "x", "late"]
+    assert sched.num_preemptions == 3 and sched.block_manager.num_free_blocks == 64
+    assert cached_tokens(sched, prompt) == 0  # s0's blocks, shared by s1, were invalidated
+
+    steps = [
+        ([("s0", 0, 10, True)], ["s0"], {"s1", "x"}),
+        ([("s1", 8, 2, True)], ["s1"], {"x"}),  # s0's prompt blocks, just recomputed alone, serve s1
+        ([("x", 0, 11, True)], ["x"], set()),  # the budget has room for late: it waits all the same
+        ([("s0", 10, 1, True), ("s1", 10, 1, True), ("x", 11, 1, True), ("late", 0, 6, True)], ["late"], set()),
+    ]
+    for want, new, left in steps:
+        out = step(sched)
+        assert (scheduled(out), [n.req_id for n in out.new_requests], sched.suspects) == (want, new, left)
+    assert [r.request_id for r in sched.running] == ["s0", "s1", "x", "late"]
+    while sched.has_unfinished_requests():
+        step(sched)
+    assert {r.request_id: r.output_token_ids for r in [*suspects, late]} == expected
+
+
+def test_isolate_preempts_every_running_request_and_invalidates_only_the_suspects_blocks():
+    """A running request the failed step did not name (the budget can leave one out) is
+    preempted too but keeps its cached prefix; ids the scheduler no longer knows are ignored."""
+    sched = make_scheduler()
+    s, w, gone = (make_request(name, list(range(first, first + 9))) for name, first in (("s", 1), ("w", 20), ("gone", 40)))
+    for req in (s, w, gone):
+        sched.add_request(req)
+    step(sched)
+    sched.abort_requests(["gone"])
+    sched.isolate(["s", "gone", "never-added"])
+    assert sched.suspects == {"s"}
+    assert [r.request_id for r in sched.waiting] == ["s", "w"] and w.status == RequestStatus.PREEMPTED
+    assert (cached_tokens(sched, s.prompt_token_ids), cached_tokens(sched, w.prompt_token_ids)) == (0, 8)
+    out = step(sched)
+    assert (scheduled(out), out.finished_req_ids) == ([("s", 0, 10, True)], ["gone"])
+    out = step(sched)  # w resumes from the blocks it kept
+    assert (scheduled(out), [n.req_id for n in out.new_requests]) == ([("s", 10, 1, True), ("w", 8, 2, True)], ["w"])
+
+
+def test_isolate_naming_no_known_request_only_preempts():
+    sched = make_scheduler()
+    for name in "ab":
+        sched.add_request(make_request(name, [1, 2, 3]))
+    step(sched)
+    sched.abort_requests(["b"])
+    sched.isolate(["b"])
+    assert sched.suspects == set() and sched.num_running == 0
+    assert scheduled(step(sched)) == [("a", 0, 4, True)]
+
+
+def test_a_suspect_longer_than_the_budget_runs_alone_chunk_by_chunk():
+    """Alone, a suspect gets the whole budget per step, and keeps the step to itself until it
+    samples, though the next suspect would fit beside its last chunk."""
+    sched = make_scheduler(budget=8)
+    for req in (make_request("a", list(range(1, 11))), make_request("b", [20, 21, 22])):
+        sched.add_request(req)
+    assert scheduled(step(sched)) == [("a", 0, 8, False)]
+    assert scheduled(fail_step(sched)) == [("a", 8, 2, True), ("b", 0, 3, True)]
+    steps = [
+        ([("a", 0, 8, False)], ["a"], {"a", "b"}),
+        ([("a", 8, 2, True)], [], {"b"}),
+        ([("b", 0, 3, True)], ["b"], set()),
+        ([("a", 10, 1, True), ("b", 3, 1, True)], [], set()),
+    ]
+    for want, new, left in steps:
+        out = step(sched)
+        assert (scheduled(out), [n.req_id for n in out.new_requests], sched.suspects) == (want, new, left)
+
+
+@pytest.mark.parametrize(("budget", "alone", "preempted_at"), [
+    (9, [("a", 0, 9, True), ("c", 0, 9, False), ("c", 9, 3, True)], 1),  # room made to admit c
+    (8, [("a", 0, 8, False), ("a", 8, 1, True), ("c", 0, 8, False), ("c", 8, 4, True)], 3),  # for c's next chunk
+])
+def test_a_suspect_alone_takes_the_blocks_of_the_ones_cleared_before_it(budget, alone, preempted_at):
+    """Five blocks: a, cleared, holds three; c alone needs a third one while two are free. a is
+    preempted (c is never the victim), keeps its cached prefix, and resumes from it."""
+    sched = make_scheduler(num_blocks=5, budget=budget)
+    a, c = make_request("a", list(range(1, 9))), make_request("c", list(range(10, 22)), max_tokens=1)
+    sched.add_request(a)
+    assert scheduled(step(sched)) == [("a", 0, 8, True)]
+    sched.add_request(c)
+    assert scheduled(fail_step(sched)) == [("a", 8, 1, True), ("c", 0, budget - 1, False)]
+    for i, want in enumerate(alone):
+        assert scheduled(step(sched)) == [want]
+        assert a.status == (RequestStatus.PREEMPTED if i >= preempted_at else RequestStatus.RUNNING)
+    assert c.status == RequestStatus.FINISHED_LENGTH and sched.num_preemptions == 3
+    out = step(sched)
+    assert (scheduled(out), [n.req_id for n in out.new_requests], out.finished_req_ids) == (
+        [("a", 8, 2, True)], ["a"], ["c"])
+
+
+def test_room_for_a_suspect_alone_is_taken_from_the_latest_arrival_first():
+    """As in any step that runs out of blocks: of a and b, cleared, b (the later) is preempted
+    for c, and a goes on holding its blocks."""
+    sched = make_scheduler(num_blocks=5, budget=10)
+    a, b = make_request("a", list(range(1, 8))), make_request("b", list(range(11, 14)))
+    c = make_request("c", list(range(20, 32)), max_tokens=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    sched.add_request(c)
+    assert scheduled(fail_step(sched)) == [("a", 7, 1, True), ("b", 3, 1, True), ("c", 0, 8, False)]
+    steps = [
+        ([("a", 0, 8, True)], "RUNNING", "PREEMPTED"),
+        ([("b", 0, 4, True)], "RUNNING", "RUNNING"),
+        ([("c", 0, 10, False)], "RUNNING", "PREEMPTED"),  # c needs three blocks, two are free
+        ([("c", 10, 2, True)], "RUNNING", "PREEMPTED"),
+        ([("a", 8, 1, True), ("b", 0, 5, True)], "RUNNING", "RUNNING"),
+    ]
+    for want, a_status, b_status in steps:
+        assert (scheduled(step(sched)), a.status.name, b.status.name) == (want, a_status, b_status)
+
+
+def test_a_suspect_that_ends_before_it_samples_leaves_the_suspects():
+    """A waiting suspect aborted by its client, and the one whose own step fails (LLMEngine
+    aborts it), are dropped: the next suspect runs, and the workers hear of both."""
+    sched = make_scheduler()
+    for name in "abcd":
+        sched.add_request(make_request(name, [1, 2, 3]))
+    step(sched)
+    fail_step(sched)
+    sched.abort_requests(["c"])
+    assert sched.suspects == {"a", "b", "d"}
+    out = sched.schedule()
+    assert (scheduled(out), out.finished_req_ids) == ([("a", 0, 4, True)], ["c"])
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED, invalidate_cache=True)  # a's step failed
+    assert sched.suspects == {"b", "d"}
+    for want, left in (("b", {"d"}), ("d", set())):
+        out = step(sched)
+        assert (scheduled(out), sched.suspects) == ([(want, 0, 4, True)], left)
+        assert out.finished_req_ids == (["a"] if want == "b" else [])
+    assert [r.req_id for r in step(sched).scheduled] == ["b", "d"]
+
+
+def test_suspects_that_are_not_waiting_do_not_stall_the_queue():
+    """Defensive (no public call leaves a suspect that is not waiting: isolate names only known
+    requests and freeing one drops it): such suspects are given up and the step batched as usual."""
+    sched = make_scheduler()
+    for name in "ab":
+        sched.add_request(make_request(name, [1, 2, 3]))
+    sched.suspects.add("ghost")
+    assert scheduled(sched.schedule()) == [("a", 0, 3, True), ("b", 0, 3, True)]
+    assert sched.suspects == set()
