@@ -12,6 +12,8 @@
                     out-of-tree platform wins and the same suite must hold under it.
 * ``fuzz``          schemathesis against ``/openapi.json`` of a real server on a tiny model:
                     no 5xx, and only the statuses, content types and bodies the schema declares.
+* ``ray``           ``--distributed-executor-backend ray`` on a two-node Ray cluster on this
+                    machine, with the dummy platform and the test model plugin (Ray only here).
 * ``tests-cuda``    loom-platform-cuda: its Triton kernels against torch references over
                     shapes and dtypes, its platform hooks, and its worker's attention backend
                     and decode-graph replay against loom's CPU path. Without a GPU the kernels
@@ -59,7 +61,7 @@ import nox.project
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
-    "lint", "rust", "tests-cpu", "tests-dummy", "fuzz", "tests-cuda", "wheels", "install-cpu", "install-dummy",
+    "lint", "rust", "tests-cpu", "tests-dummy", "fuzz", "ray", "tests-cuda", "wheels", "install-cpu", "install-dummy",
     "install-cuda", "conformance-cpu", "conformance-dummy", "conformance-cuda",
 ]
 nox.options.reuse_existing_virtualenvs = True
@@ -77,7 +79,9 @@ TORCH = "torch==2.13.0"
 TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis", "griffe", "packaging", "setuptools>=68"]
 # transformers' own GGUF loader (the reference the default model's tensors are checked against)
 GGUF_REFERENCE = ["accelerate"]
-CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests"]
+CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests", "--ignore=tests/ray"]
+# Ray, for --distributed-executor-backend ray (loom-engine's `ray` extra): only the `ray` session has it
+RAY = "ray[default]==2.60.0"
 # LOOM_STRICT_SKIPS: a skip fails unless it names an absent GPU (conftest.py at the root);
 # in the matrix, a dependency a test needs is installed, never skipped over.
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -234,6 +238,17 @@ def fuzz(session: nox.Session) -> None:
     LOOM_FUZZ_EXAMPLES examples per operation and mode, default 60)."""
     _install(session, *CORE, "schemathesis>=4,<5")
     session.run("pytest", "-q", "fuzz", *session.posargs, env={**ENV, "LOOM_EXPECT_PLATFORM": "cpu"})
+
+
+@nox.session
+def ray(session: nox.Session) -> None:
+    """--distributed-executor-backend ray on a two-node Ray cluster on this machine (tests/ray):
+    ranks on different nodes match one rank and mp, the dummy platform and the model plugin in
+    the actors, a node with another platform refused, missing resources named, serve, drain,
+    kill -9 of a rank reported, nothing left in the cluster."""
+    _install(session, *CORE, "./packages/platform-dummy", "./tests/plugins/loom_add_dummy_model", RAY, "openai")
+    session.run("pytest", "-q", "-p", "no:randomly", "tests/ray", *session.posargs,
+                env={**ENV, "LOOM_EXPECT_PLATFORM": "dummy"})
 
 
 @nox.session(name="tests-cuda")

@@ -51,6 +51,17 @@ def test_bad_flag_cli():
     assert proc.returncode == 2 and "--stream-interval: expected a positive integer, got 0" in proc.stderr
 
 
+def test_ray_backend_without_ray_says_what_to_install(tiny_llama):
+    # the matrix's test sessions do not install Ray (only `nox -s ray` does)
+    for command in (["serve", str(tiny_llama)], ["generate", "hi", "--model", str(tiny_llama)]):
+        proc = cli(*command, "--distributed-executor-backend", "ray")
+        assert proc.returncode == 1, proc.stderr
+        assert last_line(proc) == ("loom: error: --distributed-executor-backend ray needs Ray, which is not installed "
+                                   "here: pip install 'loom-engine[ray]'")
+    proc = cli("generate", "hi", "--ray-placement-strategy", "ANYWHERE")
+    assert proc.returncode == 2 and "invalid choice: 'ANYWHERE'" in proc.stderr
+
+
 def test_malformed_model_dirs(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

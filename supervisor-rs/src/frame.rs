@@ -20,6 +20,9 @@ pub mod kind {
     pub const PEER_DIED: &str = "PEER_DIED";
     /// A child to the supervisor, about every second once READY: it is alive and not stopped.
     pub const HEARTBEAT: &str = "HEARTBEAT";
+    /// The engine core to the supervisor: a process it runs elsewhere (a Ray actor) died;
+    /// the body is a PEER_DIED body (see `remote.rs`).
+    pub const REMOTE_DIED: &str = "REMOTE_DIED";
 }
 
 const PREFIX: usize = 4;

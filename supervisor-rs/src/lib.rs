@@ -10,6 +10,7 @@ pub mod frame;
 mod hello;
 pub mod logs;
 pub mod relay;
+pub mod remote;
 pub mod report;
 pub mod rundir;
 pub mod shutdown;

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 
 use crate::frame::{self, kind, Frame, FrameError, FrameReader, Header};
 use crate::hello::{check_hello, Expected};
+use crate::remote;
 use crate::spec::{Address, Plan, ProcessSpec, Role, WIRE_VERSION};
 use crate::supervisor::Event;
 
@@ -247,6 +248,10 @@ async fn relay_frame(relay: &Relay, idx: usize, frame: Frame) {
             match frame.header.kind.as_str() {
                 kind::READY => relay.event(Event::Ready { idx }),
                 kind::HEARTBEAT => relay.event(Event::Heartbeat { idx }),
+                kind::REMOTE_DIED => match remote::accept(me, frame.body()) {
+                    Ok(death) => relay.event(Event::RemoteDied(death)),
+                    Err(why) => log::warn!("REMOTE_DIED frame from {me} dropped: {why}"),
+                },
                 kind::HELLO => log::warn!("{me}: second HELLO ignored"),
                 other => log::warn!("{me}: the supervisor does not handle {other} frames; dropped"),
             }

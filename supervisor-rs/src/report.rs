@@ -1,10 +1,11 @@
-//! What the supervisor says about a child that failed: the one report on stderr and the
-//! PEER_DIED body sent to the lead process.
+//! What the supervisor says about a process that failed: the one report on stderr and the
+//! PEER_DIED body sent to the lead process. The process is a child, or a remote one the
+//! engine core reported (`remote.rs`); both get the same report.
 
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::logs::SELF;
 use crate::spawn::Exit;
@@ -36,7 +37,13 @@ impl Phase {
         }
     }
 
-    fn describe(self) -> &'static str {
+    pub fn parse(name: &str) -> Option<Phase> {
+        [Phase::Spawned, Phase::Hello, Phase::Config, Phase::Ready, Phase::Running]
+            .into_iter()
+            .find(|p| p.as_str() == name)
+    }
+
+    pub fn describe(self) -> &'static str {
         match self {
             Phase::Spawned => "start-up phase 'spawned' (before its HELLO)",
             Phase::Hello => "start-up phase 'hello' (HELLO received, before its CONFIG)",
@@ -90,12 +97,27 @@ impl Cause {
     }
 }
 
-/// The failed child, as far as the report is concerned.
+/// The failed process, as far as the report is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Who {
     pub address: Address,
     pub role: Role,
     pub rank: u32,
     pub pid: u32,
+    /// The machine a remote process ran on (a Ray node), where the engine core said; a
+    /// child has none, and its report reads as it always did.
+    pub node: Option<String>,
+}
+
+impl Who {
+    /// `worker:1 (pid 42)`, or `worker:1 (pid 42 on node 10.0.0.2)`: a pid alone does not
+    /// find a process on another machine.
+    fn named(&self) -> String {
+        match &self.node {
+            Some(node) => format!("{} (pid {} on node {node})", self.address, self.pid),
+            None => format!("{} (pid {})", self.address, self.pid),
+        }
+    }
 }
 
 pub struct Failure {
@@ -107,22 +129,36 @@ pub struct Failure {
 /// The single report printed when a child fails. `final_exit` is how the child ended in
 /// the end (it may have been alive at the failure and stopped afterwards).
 pub fn render(who: &Who, failure: &Failure, final_exit: Option<&Exit>, tail: &[String], others: usize) -> String {
+    let what = format!("{} in {}", failure.cause.describe(), failure.phase.describe());
+    let then = match (&failure.cause, final_exit) {
+        (Cause::Exited(_), _) | (_, None) => vec![],
+        (_, Some(exit)) => vec![format!("it was then stopped: it {exit}")],
+    };
+    compose(who, &what, &then, tail, "its stderr was empty", others)
+}
+
+/// The report's lines: `who` and `what` happened, its identity, `notes`, its stderr tail
+/// (`no_tail` when there is none) and what the supervisor did about it.
+pub(crate) fn compose(
+    who: &Who,
+    what: &str,
+    notes: &[String],
+    tail: &[String],
+    no_tail: &str,
+    others: usize,
+) -> String {
     let mut out = String::new();
     let line = |out: &mut String, text: &str| {
         let _ = writeln!(out, "{SELF}: {text}");
     };
-    line(
-        &mut out,
-        &format!("{} (pid {}) {} in {}", who.address, who.pid, failure.cause.describe(), failure.phase.describe()),
-    );
-    line(&mut out, &format!("  role: {}, rank: {}, pid: {}", who.role.as_str(), who.rank, who.pid));
-    if !matches!(failure.cause, Cause::Exited(_)) {
-        if let Some(exit) = final_exit {
-            line(&mut out, &format!("  it was then stopped: it {exit}"));
-        }
+    line(&mut out, &format!("{} {what}", who.named()));
+    let node = who.node.as_ref().map(|n| format!(", node: {n}")).unwrap_or_default();
+    line(&mut out, &format!("  role: {}, rank: {}, pid: {}{node}", who.role.as_str(), who.rank, who.pid));
+    for note in notes {
+        line(&mut out, &format!("  {note}"));
     }
     if tail.is_empty() {
-        line(&mut out, "  its stderr was empty");
+        line(&mut out, &format!("  {no_tail}"));
     } else {
         let what = if tail.len() == 1 { "last line".to_string() } else { format!("last {} lines", tail.len()) };
         line(&mut out, &format!("  {what} of its stderr:"));
@@ -139,38 +175,50 @@ pub fn render(who: &Who, failure: &Failure, final_exit: Option<&Exit>, tail: &[S
     out
 }
 
-#[derive(Serialize)]
-struct PeerDied<'a> {
-    role: &'a str,
-    rank: u32,
-    pid: u32,
-    exit_code: Option<i32>,
-    signal: Option<String>,
-    phase: &'a str,
-    reason: String,
-    stderr_tail: &'a [String],
+/// The PEER_DIED body: a msgpack map `{role, rank, pid, exit_code, signal, phase, reason,
+/// stderr_tail}`, plus `node` for a remote process only (so a child's body is what it always
+/// was); `exit_code` and `signal` are nil unless the process ended that way. REMOTE_DIED
+/// carries the same map, from the engine core to the supervisor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerDiedBody {
+    pub role: String,
+    pub rank: u32,
+    pub pid: u32,
+    pub exit_code: Option<i32>,
+    pub signal: Option<String>,
+    pub phase: String,
+    pub reason: String,
+    pub stderr_tail: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
-/// The PEER_DIED body: a msgpack map `{role, rank, pid, exit_code, signal, phase, reason,
-/// stderr_tail}`; `exit_code` and `signal` are nil unless the child has exited that way.
+impl PeerDiedBody {
+    pub fn encode(&self) -> Vec<u8> {
+        // A struct of strings and integers always encodes; an empty body is the fallback.
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+}
+
+/// The PEER_DIED body of a child's failure.
 pub fn peer_died_body(who: &Who, failure: &Failure, tail: &[String]) -> Vec<u8> {
     let (exit_code, signal) = match &failure.cause {
         Cause::Exited(Exit::Code(code)) => (Some(*code), None),
         Cause::Exited(Exit::Signal(sig)) => (None, Some(Exit::signal_name(*sig))),
         _ => (None, None),
     };
-    let body = PeerDied {
-        role: who.role.as_str(),
+    let body = PeerDiedBody {
+        role: who.role.as_str().to_string(),
         rank: who.rank,
         pid: who.pid,
         exit_code,
         signal,
-        phase: failure.phase.as_str(),
+        phase: failure.phase.as_str().to_string(),
         reason: format!("{} {}", who.address, failure.cause.describe()),
-        stderr_tail: tail,
+        stderr_tail: tail.to_vec(),
+        node: who.node.clone(),
     };
-    // A struct of strings and integers always encodes; an empty body is the fallback.
-    rmp_serde::to_vec_named(&body).unwrap_or_default()
+    body.encode()
 }
 
 pub fn secs(d: Duration) -> String {
@@ -182,7 +230,7 @@ mod tests {
     use super::*;
 
     fn who() -> Who {
-        Who { address: Address::Worker(1), role: Role::Worker, rank: 1, pid: 4242 }
+        Who { address: Address::Worker(1), role: Role::Worker, rank: 1, pid: 4242, node: None }
     }
 
     #[test]
@@ -209,6 +257,26 @@ mod tests {
         assert!(text.contains("it was then stopped: it was killed by SIGTERM"), "{text}");
         assert!(text.contains("its stderr was empty"), "{text}");
         assert!(text.contains("stopped the other process;"), "{text}");
+    }
+
+    #[test]
+    fn a_remote_process_is_named_with_its_node() {
+        let remote = Who { node: Some("10.0.0.2".into()), ..who() };
+        let failure = Failure { idx: 0, cause: Cause::Exited(Exit::Code(1)), phase: Phase::Running };
+        let text = render(&remote, &failure, None, &[], 2);
+        assert!(text.contains("worker:1 (pid 4242 on node 10.0.0.2) exited with code 1 in phase 'running'"), "{text}");
+        assert!(text.contains("role: worker, rank: 1, pid: 4242, node: 10.0.0.2\n"), "{text}");
+        // A child's report says nothing of a node.
+        let local = render(&who(), &failure, None, &[], 2);
+        assert!(local.contains("worker:1 (pid 4242) exited") && !local.contains("node"), "{local}");
+    }
+
+    #[test]
+    fn phases_parse_from_their_names() {
+        for p in [Phase::Spawned, Phase::Hello, Phase::Config, Phase::Ready, Phase::Running] {
+            assert_eq!(Phase::parse(p.as_str()), Some(p));
+        }
+        assert_eq!(Phase::parse("Running"), None);
     }
 
     /// Every field of the PEER_DIED body, decoded as the lead decodes it: a map of exactly
@@ -251,7 +319,7 @@ mod tests {
 
     #[test]
     fn peer_died_body_of_a_signal() {
-        let who = Who { address: Address::EngineCore, role: Role::EngineCore, rank: 0, pid: 77 };
+        let who = Who { address: Address::EngineCore, role: Role::EngineCore, rank: 0, pid: 77, node: None };
         let tail = vec!["loading".to_string(), "Segmentation fault".to_string()];
         let body = decode(&who, Cause::Exited(Exit::Signal(libc::SIGSEGV)), Phase::Config, &tail);
         assert_eq!(

@@ -1,6 +1,6 @@
-//! How a serve ends: after a child failed, after a stop request (SIGINT/SIGTERM), or after
-//! the lead process finished on its own; and the stop sequence they share
-//! (STOP_SIGNAL in role order, grace period, SIGKILL).
+//! How a serve ends: after a child (or a remote process) failed, after a stop request
+//! (SIGINT/SIGTERM), or after the lead process finished on its own; and the stop sequence
+//! they share (STOP_SIGNAL in role order, grace period, SIGKILL).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,6 +9,7 @@ use nix::sys::signal::Signal;
 use tokio::time::Instant;
 
 use crate::frame::{self, kind};
+use crate::remote::RemoteDeath;
 use crate::report::{self, secs, Failure, Phase};
 use crate::spawn::Exit;
 use crate::spec::{Role, WIRE_VERSION};
@@ -51,15 +52,10 @@ impl Supervisor {
         if !self.children[idx].alive() {
             self.settle_stderr(idx).await;
         }
-        let lead = self.lead;
-        let lead_listens = self.children[lead].alive() && self.children[lead].phase >= Phase::Hello;
-        if lead != idx && lead_listens {
+        if self.lead != idx {
             let tail = self.children[idx].spawned.stderr_tail.lines();
             let body = report::peer_died_body(&self.children[idx].who(), &failure, &tail);
-            let dst = self.children[lead].address.to_string();
-            if self.send_to_lead(&dst, kind::PEER_DIED, &body) {
-                self.wait_for(move |s| !s.children[lead].alive(), Instant::now() + PEER_DIED_FLUSH).await;
-            }
+            self.tell_lead_peer_died(&body).await;
         }
         self.stop_in_order().await;
         self.settle_stderr(idx).await;
@@ -67,6 +63,30 @@ impl Supervisor {
         let others = self.children.len() - 1;
         let text =
             report::render(&child.who(), &failure, child.exit.as_ref(), &child.spawned.stderr_tail.lines(), others);
+        self.print_report(text)
+    }
+
+    /// The engine core reported that a remote process (a Ray actor) died: the serve ends
+    /// as after a child's death, with every child stopped and exit code 1.
+    pub(crate) async fn on_remote_death(&mut self, death: RemoteDeath) -> i32 {
+        self.tell_lead_peer_died(&death.peer_died_body()).await;
+        self.stop_in_order().await;
+        let text = death.render(self.children.len());
+        self.print_report(text)
+    }
+
+    /// PEER_DIED to the lead, if it listens, and a moment for it to end its requests with
+    /// an error naming the dead process and exit.
+    async fn tell_lead_peer_died(&mut self, body: &[u8]) {
+        let lead = self.lead;
+        let lead_listens = self.children[lead].alive() && self.children[lead].phase >= Phase::Hello;
+        let dst = self.children[lead].address.to_string();
+        if lead_listens && self.send_to_lead(&dst, kind::PEER_DIED, body) {
+            self.wait_for(move |s| !s.children[lead].alive(), Instant::now() + PEER_DIED_FLUSH).await;
+        }
+    }
+
+    fn print_report(&mut self, text: String) -> i32 {
         self.console.write(text.clone().into_bytes());
         self.report = Some(text);
         1

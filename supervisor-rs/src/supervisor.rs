@@ -15,6 +15,7 @@ use tokio::time::Instant;
 use crate::error::{Error, Result};
 use crate::logs::Console;
 use crate::relay::{self, Relay};
+use crate::remote::RemoteDeath;
 use crate::report::{Cause, Failure, Phase, Who};
 use crate::rundir::RunDir;
 use crate::spawn::{self, Exit, Spawned};
@@ -71,6 +72,8 @@ pub enum Event {
         idx: usize,
         reason: String,
     },
+    /// The engine core reported the death of a remote process (checked by `remote::accept`).
+    RemoteDied(RemoteDeath),
 }
 
 /// The result of a serve that ran: the exit code to use and, for tests and callers, the
@@ -111,12 +114,14 @@ impl Child {
     }
 
     pub fn who(&self) -> Who {
-        Who { address: self.address, role: self.role, rank: self.rank, pid: self.pid }
+        Who { address: self.address, role: self.role, rank: self.rank, pid: self.pid, node: None }
     }
 }
 
 pub(crate) enum Ending {
     Failed(Failure),
+    /// A process outside the supervisor's children died: a failure all the same.
+    RemoteDied(RemoteDeath),
     Stop(i32),
     LeadFinished,
 }
@@ -196,6 +201,7 @@ pub async fn supervise(plan: Plan, console: Console, stops: UnboundedReceiver<i3
     };
     let code = match supervisor.watch().await {
         Ending::Failed(failure) => supervisor.on_failure(failure).await,
+        Ending::RemoteDied(death) => supervisor.on_remote_death(death).await,
         Ending::Stop(sig) => supervisor.on_stop_request(sig).await,
         Ending::LeadFinished => supervisor.on_lead_finished().await,
     };
@@ -356,6 +362,7 @@ impl Supervisor {
                 let phase = self.children[idx].phase;
                 return Some(Ending::Failed(Failure { idx, cause: Cause::Protocol(reason), phase }));
             }
+            Event::RemoteDied(death) => return Some(Ending::RemoteDied(death)),
         }
         None
     }

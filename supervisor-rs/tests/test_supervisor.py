@@ -77,6 +77,20 @@ CHILD = textwrap.dedent(
     if behaviour == "stop_itself" and role == "worker":
         wait_for_file(frontend_listens)
         os.kill(os.getpid(), signal.SIGSTOP)
+    # A Ray actor (worker:1, not a child of the supervisor) died on another machine.
+    remote_death = client.PeerDied(
+        role="worker", rank=1, pid=4242, exit_code=None, signal="SIGKILL", phase="running",
+        reason="worker:1 died: its actor was lost with its node", stderr_tail=("INFO loading model", "CUDA error"),
+        node="10.0.0.2")
+    if behaviour == "remote_died" and role == "engine_core":
+        wait_for_file(frontend_listens)
+        conn.send(client.SUPERVISOR, client.REMOTE_DIED, remote_death.to_body())
+    if behaviour == "remote_died_dropped":
+        wait_for_file(frontend_listens)
+        if role == "worker":  # not the engine core: not its death to report
+            conn.send(client.SUPERVISOR, client.REMOTE_DIED, remote_death.to_body())
+        if role == "engine_core":
+            conn.send(client.SUPERVISOR, client.REMOTE_DIED, b"\\xc1\\x1b[31m not msgpack")
 
     def block():  # until the supervisor stops us
         while True:
@@ -115,7 +129,7 @@ CHILD = textwrap.dedent(
         sys.exit(0)
 
     if behaviour in ("serve", "crash_after_hello", "killed_after_hello", "hang_before_ready", "close_and_live",
-                     "stop_itself", "oversize"):
+                     "stop_itself", "oversize", "remote_died", "remote_died_dropped"):
         if role != "frontend":
             block()
         while True:
@@ -277,6 +291,20 @@ def test_peer_died_from_a_good_body() -> None:
         died.pid = 1  # type: ignore[misc]
 
 
+def test_peer_died_of_a_remote_process_round_trips_with_its_node() -> None:
+    died = client.PeerDied.from_frame(frame_of(PEER_DIED_BODY))
+    assert died.node is None  # a body without "node" (every child's) decodes as before
+    assert msgpack.unpackb(died.to_body()) == PEER_DIED_BODY
+    remote = dataclasses.replace(died, node="10.0.0.2")
+    assert msgpack.unpackb(remote.to_body()) == {**PEER_DIED_BODY, "node": "10.0.0.2"}
+    assert client.PeerDied.from_frame(frame_of(msgpack.unpackb(remote.to_body()))) == remote
+    assert remote.describe() == (
+        "worker:1 (pid 123 on node 10.0.0.2) died with signal SIGKILL during running: worker:1 was killed by SIGKILL"
+    )
+    with pytest.raises(client.ProtocolError, match=re.escape("field 'node' is 7; expected str or None")):
+        client.PeerDied.from_frame(frame_of({**PEER_DIED_BODY, "node": 7}))
+
+
 @pytest.mark.parametrize(("frame", "message"), [
     (frame_of({k: v for k, v in PEER_DIED_BODY.items() if k != "pid"}), "PEER_DIED body has no 'pid'"),
     (frame_of({**PEER_DIED_BODY, "rank": "1"}), "field 'rank' is '1'; expected int"),
@@ -415,6 +443,50 @@ def test_a_running_child_that_stops_answering_is_reported(child: Path, tmp_path:
     assert code == 1, serve.text
     assert time.monotonic() - started < 10, serve.text
     assert re.search(rf"worker:0 \(pid \d+\) {report}", serve.text), serve.text
+    assert_all_gone(list(serve.child_pids().values()))
+
+
+def test_a_remote_death_reported_by_the_engine_core_ends_the_serve(child: Path, tmp_path: Path) -> None:
+    # A Ray serve: the workers are actors elsewhere; the engine core reports worker:1's death.
+    serve = Serve(make_plan(child, "remote_died", [("frontend", 0), ("engine_core", 0)]), tmp_path / "xdg")
+    assert serve.finish() == 1, serve.text  # as for the death of a local worker
+    text = serve.text
+    assert "worker:1 (pid 4242 on node 10.0.0.2) was killed by SIGKILL in phase 'running'" in text
+    assert "role: worker, rank: 1, pid: 4242, node: 10.0.0.2" in text
+    assert "engine_core reported: worker:1 died: its actor was lost with its node" in text
+    assert "| CUDA error" in text
+    assert text.rstrip().endswith("stopped the other 2 processes; exiting with code 1"), text
+    # The frontend heard about it first, with the same facts and the node.
+    assert "[frontend] PEER_DIED received" in text
+    received = json.loads((child.parent / "peer_died.json").read_text())
+    assert received["body"] == {
+        "role": "worker", "rank": 1, "pid": 4242, "exit_code": None, "signal": "SIGKILL", "phase": "running",
+        "reason": "worker:1 died: its actor was lost with its node", "stderr_tail": ["INFO loading model", "CUDA error"],
+        "node": "10.0.0.2",
+    }
+    assert received["described"] == (
+        "worker:1 (pid 4242 on node 10.0.0.2) died with signal SIGKILL during running: "
+        "worker:1 died: its actor was lost with its node"
+    )
+    pids = serve.child_pids()
+    assert set(pids) == {"frontend", "engine_core"}
+    assert_all_gone(list(pids.values()))
+    assert list((tmp_path / "xdg").iterdir()) == []
+
+
+def test_a_remote_death_from_a_worker_or_with_a_bad_body_is_dropped(child: Path, tmp_path: Path) -> None:
+    roles: list[tuple[Role, int]] = [("frontend", 0), ("engine_core", 0), ("worker", 0)]
+    serve = Serve(make_plan(child, "remote_died_dropped", roles), tmp_path / "xdg")
+    serve.wait_for("WARNING: REMOTE_DIED frame from worker:0 dropped: "
+                   "only engine_core reports the death of a remote process, not worker:0")
+    serve.wait_for("WARNING: REMOTE_DIED frame from engine_core dropped: its body is not a PEER_DIED map (")
+    # The serve goes on: a stop request still drains it cleanly.
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.finish() == 0, serve.text
+    text = serve.text
+    assert 'b"\\xc1\\x1b[31m not msgpack"' in text and "\x1b" not in text  # the body shown escaped
+    assert "[frontend] draining" in text and "all 3 processes stopped" in text
+    assert "PEER_DIED received" not in text and "4242" not in text
     assert_all_gone(list(serve.child_pids().values()))
 
 

@@ -35,6 +35,10 @@ FLAGS = {
     "--custom-ops": "custom_ops",
     "--load-format": "load_format",
     "--worker-cls": "worker_cls",
+    "--distributed-executor-backend": "distributed_executor_backend",
+    "--ray-address": "ray_address",
+    "--ray-placement-strategy": "ray_placement_strategy",
+    "--ray-placement-timeout": "ray_placement_timeout",
 }
 FLAGLESS = {"model", "fail_on_environ_validation"}  # model is the command's positional
 

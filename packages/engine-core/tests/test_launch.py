@@ -19,9 +19,9 @@ class _ModelConfig(SimpleNamespace):
         return self.hidden_size
 
 
-def config(tp: int, hidden_size: int = 128) -> SimpleNamespace:
+def config(tp: int, hidden_size: int = 128, uses_ray: bool = False) -> SimpleNamespace:
     """Just what the plan reads (the plan pickles it, so no lambdas)."""
-    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp),
+    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, uses_ray=uses_ray),
                            model_config=_ModelConfig(hidden_size=hidden_size))
 
 
@@ -97,3 +97,13 @@ def test_tensor_parallel_workers_talk_over_loopback_only(monkeypatch) -> None:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # the operator's interface wins
     assert {p.env["GLOO_SOCKET_IFNAME"] for p in build_plan(config(2), ServerConfig()).processes
             if p.role == "worker"} == {"eth0"}
+
+
+def test_on_ray_the_engine_core_starts_the_ranks(monkeypatch) -> None:
+    monkeypatch.delenv("RAY_DEDUP_LOGS", raising=False)
+    plan = build_plan(config(2, uses_ray=True), ServerConfig())
+    assert [p.role for p in plan.processes] == ["frontend", "engine_core"]  # no local worker process
+    core = next(p for p in plan.processes if p.role == "engine_core")
+    assert core.env["RAY_DEDUP_LOGS"] == "0"  # every rank's lines shown, not folded into one
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "1")  # the operator's choice wins
+    assert {p.env["RAY_DEDUP_LOGS"] for p in build_plan(config(2, uses_ray=True), ServerConfig()).processes} == {"1"}

@@ -18,8 +18,13 @@ Wire format: a 4-byte big-endian length, then the msgpack array
 sender; destination only) and ``supervisor``. The supervisor sends ``CONFIG`` (the
 plan's config bytes), ``SHUTDOWN`` to the frontend when asked to stop (drain, then
 exit 0), and ``PEER_DIED`` to the frontend when another process died (body: msgpack
-map ``{role, rank, pid, exit_code, signal, phase, reason, stderr_tail}``, decoded by
-``PeerDied.from_frame``).
+map ``{role, rank, pid, exit_code, signal, phase, reason, stderr_tail}``, plus ``node``
+for a remote process, decoded by ``PeerDied.from_frame``).
+
+The engine core reports a process the supervisor did not spawn (a Ray actor) that died
+with ``REMOTE_DIED`` to ``supervisor``, its body a PEER_DIED body
+(``conn.send(SUPERVISOR, REMOTE_DIED, peer_died.to_body())``); the supervisor then ends
+the serve as for a death of its own children. From any other process it is dropped.
 
 ``WIRE_VERSION`` versions the frame format only. The messages the children exchange are
 loom's; their schema version (``messages_version``) is stated in every HELLO and must
@@ -46,7 +51,7 @@ import msgpack
 
 __all__ = [
     "WIRE_VERSION", "ENV_SOCKET", "ENV_ROLE", "ENV_RANK", "SUPERVISOR", "WORKERS",
-    "HELLO", "CONFIG", "READY", "SHUTDOWN", "PEER_DIED",
+    "HELLO", "CONFIG", "READY", "SHUTDOWN", "PEER_DIED", "REMOTE_DIED",
     "Frame", "PeerDied", "ProtocolError", "Client", "Decoder", "address", "connect", "encode", "decode_body",
 ]
 
@@ -67,6 +72,8 @@ CONFIG = "CONFIG"
 READY = "READY"
 SHUTDOWN = "SHUTDOWN"
 PEER_DIED = "PEER_DIED"
+REMOTE_DIED = "REMOTE_DIED"
+"""Engine core -> supervisor: a remote process died; the body is ``PeerDied.to_body()``."""
 HEARTBEAT = "HEARTBEAT"
 HEARTBEAT_INTERVAL_S = 1.0
 """How often a ready child tells the supervisor it is alive (a thread of its own)."""
@@ -119,6 +126,8 @@ class PeerDied:
     start-up deadline, a HELLO that did not match). ``phase`` is where it was: ``spawned``,
     ``hello``, ``config``, ``ready`` or ``running``. ``reason`` is the supervisor's one
     line (``"worker:1 exited with code 1"``); ``stderr_tail`` its last stderr lines.
+    ``node`` is where a remote process ran (a Ray node's IP), None for the supervisor's
+    own children; bodies without it decode as before.
     """
 
     role: str
@@ -129,6 +138,7 @@ class PeerDied:
     phase: str
     reason: str
     stderr_tail: tuple[str, ...]
+    node: str | None = None
 
     # Field name -> accepted types, in the order of the body (see supervisor-rs/src/report.rs).
     _FIELDS: ClassVar[dict[str, tuple[type, ...]]] = {
@@ -162,23 +172,39 @@ class PeerDied:
         if not all(isinstance(line, str) for line in tail):
             raise ProtocolError(f"{PEER_DIED} body field 'stderr_tail' holds a non-string: {tail!r}")
         values["stderr_tail"] = tuple(tail)
-        return cls(**values)
+        node = body.get("node")
+        if not isinstance(node, (str, NoneType)):
+            raise ProtocolError(f"{PEER_DIED} body field 'node' is {node!r}; expected str or None")
+        return cls(**values, node=node)
+
+    def to_body(self) -> bytes:
+        """The msgpack map ``from_frame`` reads (``node`` only when set): the body of a
+        REMOTE_DIED the engine core sends to the supervisor."""
+        body: dict[str, Any] = {name: getattr(self, name) for name in self._FIELDS}
+        body["stderr_tail"] = list(self.stderr_tail)
+        if self.node is not None:
+            body["node"] = self.node
+        data: bytes = msgpack.packb(body, use_bin_type=True)
+        return data
 
     def describe(self) -> str:
         """One line: which process, how it ended, in which phase, why. For example
         ``worker:1 (pid 123) died with signal SIGKILL during running: worker:1 was killed
         by SIGKILL``; a process the supervisor stopped (no exit code, no signal) "was
-        stopped" instead."""
+        stopped" instead; a remote one is ``worker:1 (pid 123 on node 10.0.0.2) ...``."""
         who = self.address
         if self.signal:
             how = f"died with signal {self.signal}"
         elif self.exit_code is not None:
             how = f"died with exit code {self.exit_code}"
+        elif self.node:  # a remote process: its engine saw it die, no exit status reaches us
+            how = "died"
         else:
             how = "was stopped"
         tail = [line for line in self.stderr_tail if line.strip()]
         cause = self.reason or (tail[-1].strip() if tail else "")
-        text = f"{who} (pid {self.pid}) {how} during {self.phase}"
+        where = f"pid {self.pid} on node {self.node}" if self.node else f"pid {self.pid}"
+        text = f"{who} ({where}) {how} during {self.phase}"
         return text + (f": {cause}" if cause else "")
 
     @property

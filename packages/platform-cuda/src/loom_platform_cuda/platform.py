@@ -29,6 +29,7 @@ class CudaPlatform(Platform):
     device_type: ClassVar[str] = "cuda"
     dispatch_key: ClassVar[str] = "CUDA"
     dist_backend: ClassVar[str] = "nccl"
+    ray_device_key: ClassVar[str] = "GPU"
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     supports_tensor_parallel: ClassVar[bool] = True
 

@@ -47,6 +47,11 @@ class Platform:
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     """Model dtypes the platform computes in, by torch name (names, not ``torch.dtype``s,
     so that processes which never compute need not import torch)."""
+    ray_device_key: ClassVar[str] = "CPU"
+    """The Ray resource one tensor-parallel rank takes on this platform (one unit of it per
+    rank in the placement group of ``--distributed-executor-backend ray``): ``"CPU"`` for a
+    host platform, ``"GPU"`` for CUDA, or a custom resource the vendor's nodes advertise
+    (``ray start --resources '{"MYNPU": 8}'``)."""
     supports_tensor_parallel: ClassVar[bool] = False
     """Whether the platform's worker and communicator run ``--tensor-parallel-size`` > 1
     (the engine refuses it otherwise, and the conformance kit skips its two-rank checks)."""

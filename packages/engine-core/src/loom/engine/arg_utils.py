@@ -27,6 +27,7 @@ from ..config import (
 )
 from ..config.cli import add_flags, flag, from_args
 from ..config.model import QUANT_GROUP_SIZES, QUANTIZATIONS
+from ..config.parallel import EXECUTOR_BACKENDS, RAY_PLACEMENT_STRATEGIES
 from ..logger import init_logger
 from ..model_loader import load_format_choices
 
@@ -79,6 +80,18 @@ class EngineArgs:
     load_format: str = flag(
         "auto", choices=load_format_choices, help="how to load weights; general plugins may add formats")
     worker_cls: str = flag("auto", help="qualified name of the worker class")
+    distributed_executor_backend: str = flag(
+        "mp", choices=list(EXECUTOR_BACKENDS),
+        help="mp: a worker process per rank on this machine; ray: a Ray actor per rank, across the nodes of a "
+             "Ray cluster (pip install 'loom-engine[ray]')")
+    ray_address: str | None = flag(
+        None, help="Ray cluster to join (default: RAY_ADDRESS, else a running local cluster, else a new one)")
+    ray_placement_strategy: str = flag(
+        "PACK", choices=list(RAY_PLACEMENT_STRATEGIES),
+        help="how the ranks' bundles spread over the nodes: PACK fills nodes first, STRICT_SPREAD puts "
+             "every rank on a different node")
+    ray_placement_timeout: float = flag(60.0, type=float,
+                                        help="seconds to wait for the Ray cluster's resources (default 60)")
     fail_on_environ_validation: bool = False  # no flag: set as a keyword of EngineArgs(...) or LLM(...)
 
     @staticmethod
@@ -134,6 +147,9 @@ class EngineArgs:
             cache_config=cache_config,
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size, worker_cls=self.worker_cls,
+                distributed_executor_backend=self.distributed_executor_backend, ray_address=self.ray_address,
+                ray_placement_strategy=self.ray_placement_strategy,
+                ray_placement_timeout=self.ray_placement_timeout,
             ),
             scheduler_config=scheduler_config,
             compilation_config=CompilationConfig(custom_ops=list(self.custom_ops), enforce_eager=self.enforce_eager),

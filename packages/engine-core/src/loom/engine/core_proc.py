@@ -10,12 +10,16 @@ ABORT frames and sends each report back as one OUTPUTS frame.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import time
 from collections.abc import Sequence
 
 from loom_plugin_api import load_general_plugins
+from loom_supervisor.client import REMOTE_DIED, PeerDied
 
 from .. import envs
+from ..config import LoomConfig
 from ..ipc.channel import Channel, Message
 from ..ipc.messages import AbortRequests, AddRequest, EngineReady
 from ..logger import init_logger
@@ -23,6 +27,7 @@ from ..platforms import current_platform  # noqa: F401 - importing it resolves t
 from ..transformers_utils.tokenizer import get_tokenizer
 from .core import Command, EngineCore
 from .errors import EngineFatalError
+from .executor import Executor
 from .llm_engine import LLMEngine
 from .multiproc_executor import MultiprocExecutor
 
@@ -32,13 +37,15 @@ logger = init_logger("loom.engine_core")
 class ChannelInbox:
     """The engine loop's commands from the front end's frames (and any the executor kept aside)."""
 
-    def __init__(self, channel: Channel, executor: MultiprocExecutor) -> None:
+    def __init__(self, channel: Channel, executor: Executor) -> None:
         self.channel = channel
         self.executor = executor
 
     def get(self, block: bool) -> Sequence[Command]:
-        messages = list(self.executor.pending)
-        self.executor.pending.clear()
+        kept = getattr(self.executor, "pending", None)  # frames a MultiprocExecutor read during a step
+        messages = list(kept or ())
+        if kept:
+            kept.clear()
         msg = self.channel.recv(timeout=None if block and not messages else 0)
         while msg is not None:
             messages.append(msg)
@@ -61,18 +68,50 @@ def main(argv: list[str] | None = None) -> int:
     channel = Channel.connect("engine_core")
     config = channel.config()
     tokenizer = get_tokenizer(config.model_config)
-    executor = MultiprocExecutor(config, channel, step_timeout=args.step_timeout)
+    executor = _executor(config, channel, args.step_timeout)
     core = EngineCore(LLMEngine(config, executor, tokenizer))
     envs.enable_envs_cache()
     channel.send("frontend", EngineReady(num_blocks=executor.num_blocks, block_size=config.cache_config.block_size))
     channel.ready()
     logger.info("Engine core is ready")
+    # The supervisor stops its children with SIGUSR1: leave the loop through ``finally``, so
+    # that the executor releases its workers (Ray actors and their placement group included).
+    signal.signal(signal.SIGUSR1, _exit_on_stop_signal)
     try:
         core.run(ChannelInbox(channel, executor), lambda out: channel.send("frontend", out))
     except EngineFatalError as e:
         logger.error("%s", e)
+        if isinstance(executor, MultiprocExecutor):
+            return 1
+        # A Ray rank's death went to the supervisor as a frame: exiting at once could let our exit
+        # reach it first and be reported instead. It stops us (SIGUSR1) once it has read the frame.
+        time.sleep(REPORT_WAIT_S)
         return 1
+    finally:
+        executor.shutdown()
     return 0
+
+
+REPORT_WAIT_S = 10.0
+
+
+def _exit_on_stop_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def _executor(config: LoomConfig, channel: Channel, step_timeout: float) -> Executor:
+    if not config.parallel_config.uses_ray:
+        return MultiprocExecutor(config, channel, step_timeout=step_timeout)
+    from .ray_executor import RankDeath, RayExecutor  # lazy: Ray is an optional dependency
+
+    def report(death: RankDeath) -> None:
+        """The supervisor reports a rank that died on Ray like a worker process of its own."""
+        body = PeerDied(role="worker", rank=death.rank, pid=death.pid, exit_code=None, signal=None,
+                        phase="running", reason=f"worker:{death.rank} died: {death.cause}", stderr_tail=death.log_tail,
+                        node=death.node_ip)
+        channel.send_to_supervisor(REMOTE_DIED, body.to_body())
+
+    return RayExecutor(config, step_timeout=step_timeout, on_death=report)
 
 
 if __name__ == "__main__":

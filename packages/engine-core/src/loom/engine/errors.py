@@ -31,6 +31,10 @@ class StepTimeoutError(EngineFatalError):
     """A model step ran longer than ``--step-timeout``."""
 
 
+class WorkerStepError(RuntimeError):
+    """A worker raised while running a step (the engine isolates or aborts that step's requests)."""
+
+
 class EngineStepError(RuntimeError):
     """A model step raised; the requests of that step were aborted, the engine goes on."""
 

@@ -7,15 +7,19 @@ Two implementations sit behind :class:`Executor`:
 * ``MultiprocExecutor`` (:mod:`.multiproc_executor`): one worker process per rank, reached
   through the supervisor (the engine-core process of ``loom serve``; ``loom.LLM`` with
   ``tensor_parallel_size > 1`` through :mod:`.supervised`).
+* ``RayExecutor`` (:mod:`.ray_executor`): one Ray actor per rank, on the nodes of a Ray
+  cluster (``--distributed-executor-backend ray``), from either kind of engine process.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 
 from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
 
 from ..config import LoomConfig
+from ..ipc.messages import WorkerInfo
 
 
 class Executor(abc.ABC):
@@ -29,6 +33,18 @@ class Executor(abc.ABC):
 
     def shutdown(self) -> None:
         """Release the workers; the engine calls it once, last."""
+
+
+def size_kv_cache(config: LoomConfig, infos: Iterable[WorkerInfo]) -> int:
+    """The blocks every rank allocates: every rank holds a shard of every layer, so the tightest
+    rank decides. Records the block size the workers' backends chose and the count in ``config``."""
+    infos = list(infos)
+    available = min(i.available_bytes for i in infos)
+    block_bytes = max(i.block_bytes for i in infos)
+    config.cache_config.block_size = next(i.block_size for i in infos if i.rank == 0)
+    num_blocks = num_blocks_for(config, available, block_bytes)
+    config.cache_config.num_blocks = num_blocks
+    return num_blocks
 
 
 def num_blocks_for(config: LoomConfig, available_bytes: int, block_bytes: int) -> int:

@@ -18,6 +18,7 @@ import sys
 from loom_supervisor import Plan, ProcessPlan
 
 from ..config import LoomConfig
+from ..config.parallel import RAY_DRIVER_ENV
 from ..config.server import ServerConfig
 from ..ipc.messages import MESSAGES_VERSION
 
@@ -72,16 +73,18 @@ def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge
         frontend_env = dict(env, **({"LOOM_API_KEY": server.api_key} if server.api_key else {}))
         processes.append(ProcessPlan(role="frontend", env=frontend_env,
                                      argv=[python, "-m", "loom.entrypoints.frontend", *server.to_argv()]))
-        processes.append(ProcessPlan(role="engine_core", env=env, argv=[
+        core_env = {**RAY_DRIVER_ENV, **env} if config.parallel_config.uses_ray else env
+        processes.append(ProcessPlan(role="engine_core", env=core_env, argv=[
             python, "-m", "loom.engine.core_proc", f"--step-timeout={server.step_timeout}"]))
     else:
         processes.append(ProcessPlan(role="engine_core", env=dict(env, LOOM_BRIDGE_SOCKET=str(bridge_socket)),
                                      argv=[python, "-m", "loom.engine.bridge"]))
     tp = config.parallel_config.tensor_parallel_size
-    wenv = worker_env(env, tp, config.model_config.get_hidden_size())
-    processes += [ProcessPlan(role="worker", rank=rank, env=wenv,
-                              argv=[python, "-m", "loom.worker.proc", "--rank", str(rank)])
-                  for rank in range(tp)]
+    if not config.parallel_config.uses_ray:  # on Ray the engine core starts the ranks as actors
+        wenv = worker_env(env, tp, config.model_config.get_hidden_size())
+        processes += [ProcessPlan(role="worker", rank=rank, env=wenv,
+                                  argv=[python, "-m", "loom.worker.proc", "--rank", str(rank)])
+                      for rank in range(tp)]
     limits = server or ServerConfig()  # the workers of loom.LLM run under the server's default limits
     return Plan(
         processes=processes,

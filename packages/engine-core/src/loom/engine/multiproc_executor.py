@@ -21,16 +21,12 @@ from ..config import LoomConfig
 from ..ipc.channel import Channel, Message
 from ..ipc.messages import CacheReady, InitCache, StepError, WorkerInfo
 from ..logger import init_logger
-from .errors import StepTimeoutError
-from .executor import Executor, num_blocks_for
+from .errors import StepTimeoutError, WorkerStepError
+from .executor import Executor, size_kv_cache
 
 logger = init_logger(__name__)
 
 T = TypeVar("T")
-
-
-class WorkerStepError(RuntimeError):
-    """A worker raised while running a step."""
 
 
 class MultiprocExecutor(Executor):
@@ -45,13 +41,8 @@ class MultiprocExecutor(Executor):
         while len(infos) < world:
             info = self._recv_from_workers(WorkerInfo)
             infos[info.rank] = info
-        # Every rank holds a shard of every layer: size the cache by the tightest rank.
-        available = min(i.available_bytes for i in infos.values())
-        block_bytes = max(i.block_bytes for i in infos.values())
-        block_size = infos[0].block_size
-        config.cache_config.block_size = block_size  # the workers' backends may have changed it
-        self.num_blocks = num_blocks_for(config, available, block_bytes)
-        config.cache_config.num_blocks = self.num_blocks
+        self.num_blocks = size_kv_cache(config, infos.values())
+        block_size = config.cache_config.block_size
         channel.send("workers", InitCache(num_blocks=self.num_blocks, block_size=block_size))
         ready: set[int] = set()
         while len(ready) < world:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ from loom_plugin_api import SamplingParams
 from tqdm import tqdm
 
 from .. import envs
+from ..config.parallel import RAY_DRIVER_ENV
 from ..engine.arg_utils import EngineArgs
 from ..engine.core import EngineCore
 from ..engine.executor import Executor
@@ -42,7 +44,13 @@ class LLM:
         self.config = EngineArgs(model=model, **kwargs).create_engine_config()
         self.tokenizer = get_tokenizer(self.config.model_config)
         executor: Executor
-        if self.config.parallel_config.tensor_parallel_size > 1:
+        if self.config.parallel_config.uses_ray:
+            for key, value in RAY_DRIVER_ENV.items():
+                os.environ.setdefault(key, value)  # before Ray is imported (if the caller has not)
+            from ..engine.ray_executor import RayExecutor  # lazy: Ray is an optional dependency
+
+            executor = RayExecutor(self.config)
+        elif self.config.parallel_config.tensor_parallel_size > 1:
             # One worker process per rank, under the same supervisor as `loom serve`.
             from ..engine.supervised import SupervisedExecutor  # lazy: needs the optional loom_supervisor
 

@@ -58,6 +58,10 @@ class Channel:
     def ready(self) -> None:
         self._conn.ready()
 
+    def send_to_supervisor(self, kind: str, body: bytes) -> None:
+        """A frame of the supervisor's own protocol (its kinds, its body encoding)."""
+        self._conn.send("supervisor", kind, body)
+
     def send(self, dst: str, msg: Any) -> None:
         self._conn.send(dst, kind_of(msg).value, encode(msg))
 

@@ -22,11 +22,10 @@ from loom_plugin_api.step import SchedulerOutput
 
 from .. import envs
 from ..ipc.channel import Channel
-from ..ipc.messages import CacheReady, InitCache, StepError, WorkerInfo
+from ..ipc.messages import CacheReady, InitCache, StepError
 from ..logger import init_logger
-from ..platforms import current_platform
-from .resolve import resolve_worker_cls
-from .services import EngineWorkerServices
+from ..platforms import current_platform  # noqa: F401 - importing it resolves the platform, before any plugin
+from .startup import allocate, build_worker, offer
 
 logger = init_logger("loom.worker")
 
@@ -39,23 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     load_general_plugins()  # the platform is resolved: importing current_platform above did it
     channel = Channel.connect("worker", rank)
     config = channel.config()
-    current_platform.register_triton_kernel_overrides()
-    worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
-    logger.info("Worker rank %d resolved worker class %s", rank, config.parallel_config.worker_cls)
-    worker = worker_cls(
-        config, local_rank=rank, rank=rank, distributed_init_method=os.environ.get("LOOM_DIST_INIT_METHOD"),
-        is_driver_worker=rank == 0, services=EngineWorkerServices(),
-    )
-    worker.init_device()
-    worker.load_model()
-    current_platform.update_block_size_for_backend(config)
-    channel.send("engine_core", WorkerInfo(
-        rank=rank, available_bytes=worker.determine_available_memory(),
-        block_bytes=worker.get_kv_cache_block_bytes(), block_size=config.cache_config.block_size,
-    ))
-    init = _recv(channel, InitCache)
-    config.cache_config.num_blocks = init.num_blocks
-    worker.initialize_cache(init.num_blocks)
+    worker = build_worker(config, rank, os.environ.get("LOOM_DIST_INIT_METHOD"))
+    channel.send("engine_core", offer(worker, config, rank))
+    allocate(worker, config, _recv(channel, InitCache).num_blocks)
     envs.enable_envs_cache()
     channel.send("engine_core", CacheReady(rank=rank))
     channel.ready()
