@@ -16,6 +16,8 @@ import openai
 import pytest
 import ray
 from loom import LLM, SamplingParams
+from loom.distributed.ray_utils import differences, fingerprint
+from loom_plugin_api import load_general_plugins
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 from serve_utils import Serve, serving
@@ -113,6 +115,7 @@ def test_kill_9_of_a_rank_is_reported_like_a_local_worker(cluster, tiny_llama, t
             os.kill(pid, signal.SIGKILL)
             killed_at = time.monotonic()
             events = [first, *(line for line in lines if line.startswith("data: "))]
+            told = time.monotonic() - killed_at  # the client has its error and [DONE]
         code = serve.wait(timeout=60)
         took = time.monotonic() - killed_at
     log = serve.log
@@ -121,11 +124,28 @@ def test_kill_9_of_a_rank_is_reported_like_a_local_worker(cluster, tiny_llama, t
     report = log[log.index(f"loom-supervisor: worker:1 (pid {pid} on node "):]
     assert "Worker rank 1 is ready" in report  # the tail of the rank's own log, read from its node
     assert f"DummyRotaryEmbedding.forward_oot runs in pid {pid}" in report  # the platform plugin's op, in the actor
+    print(f"kill -9 of worker:1: the client was told after {told:.2f} s, the serve ended after {took:.2f} s")
+    assert told < 5, f"the client was told {told:.1f} s after the kill"  # a lost rank is found, not waited on
     assert took < 20, f"the serve ended {took:.1f} s after the kill"
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][6:])["error"]
     assert "worker:1" in error["message"], error
     assert _left_in(cluster) == ([], [])
+
+
+def test_the_fingerprint_names_every_difference(expected_platform):
+    load_general_plugins()  # as the engine has before it asks (once per process)
+    here = fingerprint()
+    assert here["platform"] == "loom_platform_dummy.dummy_platform.DummyPlatform"
+    assert {"plugin loom-platform-dummy", "plugin loom-add-dummy-model", "torch", "loom-engine"} <= set(here)
+    other = {**here, "torch": "0.0.1", "plugin extra": "1.0"}
+    del other["plugin loom-add-dummy-model"]
+    assert differences(here, other) == [
+        "plugin extra: engine absent, this node 1.0",
+        f"plugin loom-add-dummy-model: engine {here['plugin loom-add-dummy-model']}, this node absent",
+        f"torch: engine {here['torch']}, this node 0.0.1",
+    ]
+    assert differences(here, dict(here)) == []
 
 
 def test_a_node_that_resolves_another_platform_is_refused(cluster, tiny_llama, expected_platform):

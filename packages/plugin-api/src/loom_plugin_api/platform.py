@@ -51,7 +51,10 @@ class Platform:
     """The Ray resource one tensor-parallel rank takes on this platform (one unit of it per
     rank in the placement group of ``--distributed-executor-backend ray``): ``"CPU"`` for a
     host platform, ``"GPU"`` for CUDA, or a custom resource the vendor's nodes advertise
-    (``ray start --resources '{"MYNPU": 8}'``)."""
+    (``ray start --resources '{"MYNPU": 8}'``). The worker of a rank on Ray gets
+    ``local_rank=0``: Ray makes the one device of the actor's bundle its only visible device
+    for the accelerators it knows (``CUDA_VISIBLE_DEVICES`` for GPUs); a platform whose
+    resource Ray does not isolate picks the device itself."""
     supports_tensor_parallel: ClassVar[bool] = False
     """Whether the platform's worker and communicator run ``--tensor-parallel-size`` > 1
     (the engine refuses it otherwise, and the conformance kit skips its two-rank checks)."""

@@ -64,7 +64,9 @@ class RayWorker:
                 f"worker:{self.rank} on node {self.node_ip} does not run the engine's software: "
                 f"{'; '.join(mismatch)}. Install the same wheels (loom, its plugins, torch) on every node")
         self.config = config
-        self.worker = build_worker(config, self.rank, distributed_init_method)
+        # Ray makes the device of this actor's bundle its only visible one (CUDA_VISIBLE_DEVICES
+        # and the like for the accelerators it knows): it is device 0 here, whatever the rank.
+        self.worker = build_worker(config, self.rank, distributed_init_method, local_rank=0)
         return offer(self.worker, config, self.rank)
 
     def allocate(self, num_blocks: int) -> None:

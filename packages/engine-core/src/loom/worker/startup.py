@@ -22,12 +22,16 @@ from .services import EngineWorkerServices
 logger = init_logger("loom.worker")
 
 
-def build_worker(config: LoomConfig, rank: int, distributed_init_method: str | None) -> WorkerBase:
+def build_worker(config: LoomConfig, rank: int, distributed_init_method: str | None,
+                 local_rank: int | None = None) -> WorkerBase:
+    """``local_rank`` (the device index this process uses) defaults to ``rank``: every rank of a
+    serve on this machine sees every device."""
     current_platform.register_triton_kernel_overrides()
     worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
     logger.info("Worker rank %d resolved worker class %s", rank, config.parallel_config.worker_cls)
     worker = worker_cls(
-        config, local_rank=rank, rank=rank, distributed_init_method=distributed_init_method,
+        config, local_rank=rank if local_rank is None else local_rank, rank=rank,
+        distributed_init_method=distributed_init_method,
         is_driver_worker=rank == 0, services=EngineWorkerServices(),
     )
     worker.init_device()
