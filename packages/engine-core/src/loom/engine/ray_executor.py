@@ -131,14 +131,14 @@ class RayExecutor(Executor):
                     f"a model step has run {timeout:g} s without the ranks' output (--step-timeout): a Ray worker "
                     "is stuck in the step although its actor lives; stopping") from None
             raise RuntimeError(f"the Ray workers did not finish start-up within {timeout:g} s") from None
-        except RayActorError as e:
-            rank = next((r for r, ref in enumerate(refs) if _failed(ref)), 0)
-            if len(refs) == 1 and phase == "start":
-                rank = 0
-            death = self._record_death(rank, _first_line(e))
-            raise RankDiedError(death.describe()) from None
-        except RayTaskError as e:
-            cause = e.cause if isinstance(e.cause, BaseException) else e
+        except (RayActorError, RayTaskError) as e:
+            dead = _dead_rank(refs)
+            if dead is not None:
+                rank, why = dead
+                if phase == "start":
+                    raise RuntimeError(f"worker:{rank} died during start-up: {why}") from None
+                raise RankDiedError(self._record_death(rank, why).describe()) from None
+            cause = e.cause if isinstance(e, RayTaskError) and isinstance(e.cause, BaseException) else e
             if phase == "start":
                 if isinstance(cause, ray_utils.NodeMismatchError):
                     raise cause from None
@@ -161,9 +161,9 @@ class RayExecutor(Executor):
     def _record_death(self, rank: int, cause: str) -> RankDeath:
         with self._death_lock:
             if self._death is None:
-                where = self.where[rank] if rank < len(getattr(self, "where", [])) else {"pid": 0, "ip": "?"}
+                where = self.where[rank]  # deaths are recorded once started (start-up raises instead)
                 self._death = RankDeath(rank=rank, pid=where["pid"], node_ip=where["ip"], cause=cause,
-                                        log_tail=_log_tail(self.actors[rank]) if rank < len(self.actors) else ())
+                                        log_tail=_log_tail(self.actors[rank]))
                 logger.error("%s", self._death.describe())
                 if self.on_death is not None:
                     self.on_death(self._death)
@@ -192,15 +192,22 @@ class RayExecutor(Executor):
             self.group = None
 
 
-def _failed(ref: Any) -> bool:
-    ready, _ = ray.wait([ref], timeout=0)
-    if not ready:
-        return False
-    try:
-        ray.get(ref, timeout=0)
-    except Exception:
-        return True
-    return False
+DEATH_SETTLE_S = 2.0
+"""When a rank dies its partners' calls fail too (their collective lost a member), often first:
+how long to wait for every call of the step to end before deciding which failure is the death."""
+
+
+def _dead_rank(refs: list[Any]) -> tuple[int, str] | None:
+    """The first rank (the index in ``refs``) whose call failed because its actor died, and why."""
+    ray.wait(refs, num_returns=len(refs), timeout=DEATH_SETTLE_S)
+    for rank, ref in enumerate(refs):
+        try:
+            ray.get(ref, timeout=0)
+        except RayActorError as e:
+            return rank, _first_line(e)
+        except Exception:  # its own error, or still running
+            continue
+    return None
 
 
 def _first_line(e: BaseException) -> str:
