@@ -196,8 +196,8 @@ mod tests {
     #[test]
     fn an_oversized_frame_is_refused_before_its_body_is_read() {
         // 0xFFFFFFFF: skipping it would swallow 4 GiB of later frames
-        let stream = [&[0xff, 0xff, 0xff, 0xff][..], &encode(1, "frontend", "engine_core", "SMALL", b"ok").unwrap()]
-            .concat();
+        let stream =
+            [&[0xff, 0xff, 0xff, 0xff][..], &encode(1, "frontend", "engine_core", "SMALL", b"ok").unwrap()].concat();
         let first = block_on(async { FrameReader::new(stream.as_slice(), 4096).next().await.unwrap() });
         assert_eq!(first.unwrap().unwrap_err(), FrameError::TooLarge { len: u32::MAX as usize, max: 4096 });
     }

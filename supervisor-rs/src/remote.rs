@@ -36,8 +36,10 @@ pub fn accept(sender: Address, body: &[u8]) -> Result<RemoteDeath, String> {
 
 fn decode(bytes: &[u8]) -> Result<RemoteDeath, String> {
     let mut body: PeerDiedBody = rmp_serde::from_slice(bytes).map_err(|e| one_line(&e.to_string()))?;
-    let role = Role::parse(&body.role)
-        .ok_or_else(|| format!("role {:?} is not frontend, engine_core or worker", body.role))?;
+    // Only ranks run away from the supervisor: the front end and the engine core are its children.
+    let role = Role::parse(&body.role).filter(|r| *r == Role::Worker).ok_or_else(|| {
+        format!("role {:?} is not worker (only a worker rank runs outside the supervisor)", body.role)
+    })?;
     // Everything below is printed in the report: one line per line, no terminal controls.
     let lines: Vec<String> = body.stderr_tail.iter().flat_map(|l| l.lines().map(one_line)).collect();
     body.stderr_tail = lines[lines.len().saturating_sub(TAIL_LINES)..].to_vec();
@@ -137,10 +139,12 @@ mod tests {
             rmp_serde::to_vec_named(&B { role: "worker", rank: 1 }).unwrap()
         };
         let gpu = PeerDiedBody { role: "gpu".into(), ..body(None) }.encode();
-        let cases: [(&[u8], &str); 4] = [
+        let frontend = PeerDiedBody { role: "frontend".into(), ..body(None) }.encode();
+        let cases: [(&[u8], &str); 5] = [
             (b"\xc1\x1b[31mred", "b\"\\xc1\\x1b[31mred\""),
             (&no_pid, "missing field `pid`"),
-            (&gpu, "role \"gpu\" is not frontend, engine_core or worker"),
+            (&gpu, "role \"gpu\" is not worker"),
+            (&frontend, "role \"frontend\" is not worker"),
             (b"\xc3", "invalid type: boolean `true`"),
         ];
         for (bytes, expected) in cases {

@@ -87,16 +87,50 @@ def _serve(cluster_: Cluster, model, tmp_path, name: str):
                     "--max-model-len", "128", "--dtype", "float32"], tmp_path, name=name)
 
 
+def _listening_on(pid: int, port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net shows them) of ``pid``'s sockets listening on ``port``."""
+    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
+              if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+    found = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for row in list(f)[1:]:
+                cols = row.split()
+                address, _, hexport = cols[1].rpartition(":")
+                if cols[3] == "0A" and cols[9] in inodes and int(hexport, 16) == port:
+                    found.append(address)
+    return found
+
+
 def test_serve_on_ray_answers_and_drains(cluster, tiny_llama, tmp_path):
-    want = LLM(str(tiny_llama), dtype="float32", max_model_len=128).generate("Hello, my name is", GREEDY)
+    prompt = "Hello, my name is"
+    want = LLM(str(tiny_llama), dtype="float32", max_model_len=128).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0].outputs[0].text
     with _serve(cluster, tiny_llama, tmp_path, "drain") as serve:
         client = openai.OpenAI(base_url=serve.url + "/v1", api_key="none", max_retries=0)
-        r = client.completions.create(model=tiny_llama.name, prompt="Hello, my name is", max_tokens=10,
-                                      temperature=0, extra_body={"ignore_eos": True})
-        assert r.choices[0].text == want[0].outputs[0].text
-        serve.proc.send_signal(signal.SIGTERM)
+        r = client.completions.create(model=tiny_llama.name, prompt=prompt, max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want[:len(r.choices[0].text)] and r.usage.completion_tokens == 10
+        # torch.distributed's store listens on rank 0's node address, not on every interface
+        meet = serve.log.split("The ranks meet at tcp://")[1].split()[0]
+        ip, port = meet.rsplit(":", 1)
+        hex_ip = "".join(f"{int(b):02X}" for b in reversed(ip.split(".")))
+        assert _listening_on(_rank_pid(serve, 0), int(port)) == [hex_ip]
+        # SIGTERM with a stream in flight: it finishes, then the serve ends cleanly
+        body = {"prompt": prompt, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        text, done = [], False
+        with httpx.stream("POST", serve.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    if not text:
+                        serve.proc.send_signal(signal.SIGTERM)
+                    text.append(json.loads(line[6:])["choices"][0]["text"])
+        assert ("".join(text), done) == (want, True)
         assert serve.wait(timeout=60) == 0, serve.log[-3000:]
     assert "(worker:1@" in serve.log  # the ranks' lines reach the serve's output, named
+    assert "Worker rank 1 shut down" in serve.log  # shutdown() ran: the ranks were stopped, not left to Ray
     assert _left_in(cluster) == ([], [])
 
 

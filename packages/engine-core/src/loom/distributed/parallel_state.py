@@ -56,7 +56,7 @@ def init_distributed_environment(
     if world_size == 1:
         return
     kwargs: dict[str, Any] = {"device_id": device} if device is not None else {}
-    store = loopback_store(init_method, world_size, rank)
+    store = bound_store(init_method, world_size, rank)
     if store is not None:
         kwargs["store"] = store
     else:
@@ -65,24 +65,27 @@ def init_distributed_environment(
     initialize_model_parallel(world_size)
 
 
-def loopback_store(init_method: str | None, world_size: int, rank: int) -> dist.TCPStore | None:
-    """The rendezvous store of ``tcp://127.0.0.1:PORT``, listening on loopback only.
+def bound_store(init_method: str | None, world_size: int, rank: int) -> dist.TCPStore | None:
+    """The rendezvous store of ``tcp://HOST:PORT``, listening on HOST's address only.
 
     torch's own TCPStore server listens on every interface whatever host the URL names, and
-    answers anyone who connects: on a shared machine another user could join or disturb the
-    group. Rank 0 binds the socket itself to the URL's loopback address and hands it to the
-    store. Other URLs (another host, as on Ray) go to torch unchanged."""
+    answers anyone who connects: another user of the machine or of its network could join or
+    disturb the group. Rank 0 binds the socket itself, to 127.0.0.1 for a serve on one machine
+    or to rank 0's node address on Ray, and hands it to the store. Other URLs (``env://``,
+    ``file://``) go to torch unchanged."""
     url = urlsplit(init_method or "")
-    if url.scheme != "tcp" or url.hostname not in ("127.0.0.1", "localhost") or url.port is None:
+    if url.scheme != "tcp" or not url.hostname or url.port is None:
         return None
+    host = "127.0.0.1" if url.hostname == "localhost" else url.hostname
     listen_fd = None
     if rank == 0:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", url.port))
+        sock.bind((host, url.port))
         sock.listen(world_size)
         listen_fd = sock.detach()  # the store owns it from here
-    return dist.TCPStore("127.0.0.1", url.port, world_size, is_master=rank == 0, master_listen_fd=listen_fd,
+    return dist.TCPStore(host, url.port, world_size, is_master=rank == 0, master_listen_fd=listen_fd,
                          timeout=timedelta(seconds=300))
 
 

@@ -18,7 +18,7 @@ from importlib import metadata
 from typing import Any
 
 import ray
-from loom_plugin_api import plugin_records
+from loom_plugin_api import GENERAL_PLUGINS_GROUP, PLATFORM_PLUGINS_GROUP, plugin_records
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from ..logger import init_logger
@@ -40,7 +40,9 @@ def fingerprint() -> dict[str, str]:
         "python": ".".join(map(str, sys.version_info[:3])),
     }
     for record in plugin_records():
-        if record.status == "loaded" and record.distribution:
+        # the groups every process of a serve loads (not those only the front end or a tool loads)
+        if record.group in (PLATFORM_PLUGINS_GROUP, GENERAL_PLUGINS_GROUP) and record.status == "loaded" \
+                and record.distribution:
             found[f"plugin {record.distribution}"] = record.version or "?"
     return found
 

@@ -76,16 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("Engine core is ready")
     # The supervisor stops its children with SIGUSR1: leave the loop through ``finally``, so
     # that the executor releases its workers (Ray actors and their placement group included).
-    signal.signal(signal.SIGUSR1, _exit_on_stop_signal)
+    # Exit 1 if a Ray rank died: during a drain the supervisor judges the end by exit codes.
+    died = lambda: bool(getattr(executor, "died", False))  # noqa: E731
+    signal.signal(signal.SIGUSR1, lambda signum, frame: _exit(1 if died() else 0))
     try:
         core.run(ChannelInbox(channel, executor), lambda out: channel.send("frontend", out))
     except EngineFatalError as e:
         logger.error("%s", e)
-        if isinstance(executor, MultiprocExecutor):
-            return 1
-        # A Ray rank's death went to the supervisor as a frame: exiting at once could let our exit
-        # reach it first and be reported instead. It stops us (SIGUSR1) once it has read the frame.
-        time.sleep(REPORT_WAIT_S)
+        if died():
+            # The death went to the supervisor as a REMOTE_DIED frame: exiting now could let our
+            # exit reach it first and be reported instead. It stops us once it has read the frame.
+            time.sleep(REPORT_WAIT_S)
         return 1
     finally:
         executor.shutdown()
@@ -95,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 REPORT_WAIT_S = 10.0
 
 
-def _exit_on_stop_signal(signum: int, frame: object) -> None:
-    raise SystemExit(0)
+def _exit(code: int) -> None:
+    raise SystemExit(code)
 
 
 def _executor(config: LoomConfig, channel: Channel, step_timeout: float) -> Executor:

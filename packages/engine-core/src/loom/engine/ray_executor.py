@@ -24,7 +24,7 @@ from typing import Any
 
 import ray
 from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -37,6 +37,9 @@ from .errors import EngineFatalError, StepTimeoutError, WorkerStepError
 from .executor import Executor, size_kv_cache
 
 logger = init_logger(__name__)
+
+PROCESS_IDENTITY = ("LOOM_ROLE", "LOOM_RANK", "LOOM_SUPERVISOR_SOCKET")
+"""Variables the supervisor sets for the process it spawned: never passed on to a rank."""
 
 STARTUP_TIMEOUT_S = 600.0
 """A rank's whole start-up (plugins, model load) may take this long."""
@@ -72,16 +75,25 @@ class RayExecutor(Executor):
         self._death: RankDeath | None = None
         self._death_lock = threading.Lock()
         self._closing = False
+        self._healthy = False
+        """True from the end of start-up until a step times out: only then can the ranks take a
+        graceful ``shutdown`` call (an actor stuck in a step would never run it)."""
         parallel = config.parallel_config
         ray_utils.connect(parallel.ray_address)
         device_key = platforms.current_platform.ray_device_key
-        self.group = ray_utils.create_placement_group(
-            parallel.world_size, device_key, parallel.ray_placement_strategy, parallel.ray_placement_timeout)
         try:
+            self.group = ray_utils.create_placement_group(
+                parallel.world_size, device_key, parallel.ray_placement_strategy, parallel.ray_placement_timeout)
             self._start(device_key)
-        except BaseException:
+        except BaseException:  # Ctrl-C included: the cluster gets its resources back
             self.shutdown()
             raise
+        self._healthy = True
+
+    @property
+    def died(self) -> bool:
+        """Whether a rank's death was recorded (and reported through ``on_death``)."""
+        return self._death is not None
 
     # ---- start-up ----------------------------------------------------------------------------
     def _start(self, device_key: str) -> None:
@@ -89,7 +101,9 @@ class RayExecutor(Executor):
         nodes = ray_utils.bundle_nodes(self.group)
         ranks_on = Counter(nodes)
         for rank, node in enumerate(nodes):
-            env = {k: v for k, v in os.environ.items() if k.startswith("LOOM_")}
+            # the operator's LOOM_* settings; not this process's identity, which the supervisor set for it
+            env = {k: v for k, v in os.environ.items() if k.startswith("LOOM_") and k not in PROCESS_IDENTITY}
+            env.update(LOOM_ROLE="worker", LOOM_RANK=str(rank))
             # the node's cores shared by its ranks, unless the operator said otherwise
             env.setdefault("LOOM_CPU_NUM_THREADS", str(max(1, ray_utils.node_cpus(node) // ranks_on[node])))
             self.actors.append(RayWorker.options(
@@ -103,9 +117,11 @@ class RayExecutor(Executor):
         if world > 1:
             port = self._get([self.actors[0].free_port.remote()], STARTUP_TIMEOUT_S, "start")[0]
             init_method = f"tcp://{self.where[0]['ip']}:{port}"
+            logger.info("The ranks meet at %s (rank 0's node)", init_method)
         fingerprint = ray_utils.fingerprint()
-        infos = self._get([a.start.remote(config, init_method, fingerprint) for a in self.actors],
-                          STARTUP_TIMEOUT_S, "start")
+        local_ranks = [nodes[:rank].count(node) for rank, node in enumerate(nodes)]  # index among its node's ranks
+        infos = self._get([a.start.remote(config, init_method, fingerprint, local_ranks[rank])
+                           for rank, a in enumerate(self.actors)], STARTUP_TIMEOUT_S, "start")
         self.num_blocks = size_kv_cache(config, infos)
         self._get([a.allocate.remote(self.num_blocks) for a in self.actors], STARTUP_TIMEOUT_S, "start")
         self._watches = {a.watch.remote(): rank for rank, a in enumerate(self.actors)}
@@ -126,6 +142,7 @@ class RayExecutor(Executor):
         try:
             return ray.get(refs, timeout=timeout)
         except GetTimeoutError:
+            self._healthy = False
             if phase == "step":
                 raise StepTimeoutError(
                     f"a model step has run {timeout:g} s without the ranks' output (--step-timeout): a Ray worker "
@@ -151,29 +168,36 @@ class RayExecutor(Executor):
         while pending and not self._closing:
             done, pending = ray.wait(pending, num_returns=1, timeout=None)
             for ref in done:
+                rank = self._watches[ref]
                 try:
                     ray.get(ref)
+                except ActorUnavailableError:  # unreachable for now (a network blip): watch again
+                    if not self._closing:
+                        again = self.actors[rank].watch.remote()
+                        self._watches[again] = rank
+                        pending.append(again)
                 except Exception as e:  # the actor died (the watch returns normally only on shutdown)
                     if not self._closing:
-                        self._record_death(self._watches[ref], _first_line(e))
+                        self._record_death(rank, _first_line(e))
                         return
 
     def _record_death(self, rank: int, cause: str) -> RankDeath:
         with self._death_lock:
-            if self._death is None:
+            if self._death is None and not (self._closing and not self.actors):
                 where = self.where[rank]  # deaths are recorded once started (start-up raises instead)
-                self._death = RankDeath(rank=rank, pid=where["pid"], node_ip=where["ip"], cause=cause,
-                                        log_tail=_log_tail(self.actors[rank]))
+                actors = self.actors  # shutdown may empty the list meanwhile
+                tail = _log_tail(actors[rank], where["node_id"]) if rank < len(actors) else ()
+                self._death = RankDeath(rank=rank, pid=where["pid"], node_ip=where["ip"], cause=cause, log_tail=tail)
                 logger.error("%s", self._death.describe())
                 if self.on_death is not None:
                     self.on_death(self._death)
-            return self._death
+            return self._death or RankDeath(rank=rank, pid=0, node_ip="?", cause=cause)
 
     # ---- the end -----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Stop every rank and give the cluster its resources back (also after a death)."""
         self._closing = True
-        if self.actors and self._death is None:
+        if self.actors and self._healthy and self._death is None:
             try:
                 ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
             except Exception as e:
@@ -224,13 +248,15 @@ def _first_line(e: BaseException) -> str:
 LOG_TAIL_LINES = 20
 
 
-def _log_tail(actor: Any) -> tuple[str, ...]:
+def _log_tail(actor: Any, node_id: str) -> tuple[str, ...]:
     """The actor's last stderr lines, read from its node's log by Ray's state API (the node
     must be alive; otherwise one line says why there are none)."""
+    if not any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes()):
+        return ("(its node is gone from the cluster: its log could not be read)",)
     try:
         from ray.util.state import get_log  # lazy: needs ray[default]'s state API, only after a death
 
-        chunks = get_log(actor_id=actor._actor_id.hex(), tail=LOG_TAIL_LINES + 2, suffix="err", timeout=5)
+        chunks = get_log(actor_id=actor._actor_id.hex(), tail=LOG_TAIL_LINES + 2, suffix="err", timeout=1)
         lines = [ln for chunk in chunks for ln in chunk.splitlines() if ln and not ln.startswith(":")]
         return tuple(lines[-LOG_TAIL_LINES:])
     except Exception as e:

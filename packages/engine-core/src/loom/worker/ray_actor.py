@@ -36,6 +36,7 @@ WATCH_GROUP = "watch"
 @ray.remote(concurrency_groups={WATCH_GROUP: 1})
 class RayWorker:
     def __init__(self, rank: int) -> None:
+        load_general_plugins()  # before anything of the engine is unpickled here (the config of ``start``)
         self.rank = rank
         self.node_ip = ray.util.get_node_ip_address()
         self.worker: Any = None
@@ -56,17 +57,19 @@ class RayWorker:
             return int(s.getsockname()[1])
 
     def start(self, config: LoomConfig, distributed_init_method: str | None,
-              engine_fingerprint: dict[str, str]) -> WorkerInfo:
-        load_general_plugins()
+              engine_fingerprint: dict[str, str], index_on_node: int) -> WorkerInfo:
         mismatch = differences(engine_fingerprint, fingerprint())
         if mismatch:
             raise NodeMismatchError(
                 f"worker:{self.rank} on node {self.node_ip} does not run the engine's software: "
                 f"{'; '.join(mismatch)}. Install the same wheels (loom, its plugins, torch) on every node")
         self.config = config
-        # Ray makes the device of this actor's bundle its only visible one (CUDA_VISIBLE_DEVICES
-        # and the like for the accelerators it knows): it is device 0 here, whatever the rank.
-        self.worker = build_worker(config, self.rank, distributed_init_method, local_rank=0)
+        # For the accelerators Ray knows it makes the bundle's device the actor's only visible one
+        # (CUDA_VISIBLE_DEVICES for GPUs): device 0 here. Otherwise the ranks of a node share its
+        # devices and each takes the one at its index among them.
+        isolated = bool(ray.get_runtime_context().get_accelerator_ids().get(current_platform.ray_device_key))
+        local_rank = 0 if isolated else index_on_node
+        self.worker = build_worker(config, self.rank, distributed_init_method, local_rank=local_rank)
         return offer(self.worker, config, self.rank)
 
     def allocate(self, num_blocks: int) -> None:
