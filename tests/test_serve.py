@@ -248,6 +248,22 @@ def test_sigterm_during_load_finishes_requests_and_exits_0(tiny_llama, tmp_path,
     assert "all 3 processes stopped" in serve.log
 
 
+def _wait_for_requests(url: str, n: int, timeout: float = 60) -> None:
+    """Until the engine holds ``n`` requests (running or waiting), as ``/metrics`` reports them."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = sum(float(line.split()[-1]) for line in httpx.get(url + "/metrics", timeout=10).text.splitlines()
+                   if line.startswith(("loom:num_requests_running{", "loom:num_requests_waiting{")))
+        if held >= n:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the engine did not hold {n} requests within {timeout} s")
+
+
 def test_requests_still_running_when_the_grace_period_ends_get_an_error(tiny_llama, tmp_path):
     """One request at a time and a 1 s grace period: what has not finished by then ends with an
     error its client can read (an SSE error event and [DONE], or a 503), and the exit code says
@@ -276,6 +292,7 @@ def test_requests_still_running_when_the_grace_period_ends_get_an_error(tiny_lla
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(one, i) for i in range(n)]
             first_token.result(timeout=60)  # one request streams, the others wait in the queue
+            _wait_for_requests(serve.url, n)  # every one accepted: none may meet a closed listener
             os.kill(serve.proc.pid, signal.SIGTERM)
             results = [f.result(timeout=60) for f in futures]
         code = serve.wait(timeout=60)

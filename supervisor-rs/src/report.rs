@@ -112,7 +112,7 @@ pub struct Who {
 impl Who {
     /// `worker:1 (pid 42)`, or `worker:1 (pid 42 on node 10.0.0.2)`: a pid alone does not
     /// find a process on another machine.
-    fn named(&self) -> String {
+    pub(crate) fn named(&self) -> String {
         match &self.node {
             Some(node) => format!("{} (pid {} on node {node})", self.address, self.pid),
             None => format!("{} (pid {})", self.address, self.pid),

@@ -18,11 +18,12 @@ use crate::relay::{self, Relay};
 use crate::remote::RemoteDeath;
 use crate::report::{Cause, Failure, Phase, Who};
 use crate::rundir::RunDir;
+use crate::shutdown::Deaths;
 use crate::spawn::{self, Exit, Spawned};
 use crate::spec::{Address, Plan, Role};
 
 /// How long the frames a child sent just before exiting may take to be processed.
-const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(500);
+pub(crate) const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(500);
 /// A child whose connection closed gets this long to exit before it is reported as a
 /// process that lost its connection (a dying child closes the socket before it is reaped).
 const EXIT_AFTER_DISCONNECT: Duration = Duration::from_secs(1);
@@ -134,6 +135,8 @@ pub(crate) struct Supervisor {
     pub relay: Arc<Relay>,
     pub report: Option<String>,
     pub escalated: bool,
+    /// Which deaths are still reported once the serve is ending.
+    pub deaths: Deaths,
     events: UnboundedReceiver<Event>,
     stops: UnboundedReceiver<i32>,
     run_dir: RunDir,
@@ -193,6 +196,7 @@ pub async fn supervise(plan: Plan, console: Console, stops: UnboundedReceiver<i3
         relay,
         report: None,
         escalated: false,
+        deaths: Deaths::default(),
         events,
         stops,
         run_dir,
@@ -391,19 +395,24 @@ impl Supervisor {
     }
 
     /// Processes events until `done` holds or `deadline` passes; returns `done`'s value.
-    /// A stop request meanwhile kills every child at once.
+    /// A stop request meanwhile kills every child at once; a REMOTE_DIED is taken as
+    /// `on_remote_death_while_stopping` says.
     pub(crate) async fn wait_for(&mut self, done: impl Fn(&Supervisor) -> bool, deadline: Instant) -> bool {
         loop {
             if done(self) {
                 return true;
             }
             tokio::select! {
-                Some(event) = self.events.recv() => {
-                    if let Event::Exited { idx, exit } = event {
+                Some(event) = self.events.recv() => match event {
+                    Event::Exited { idx, exit } => {
                         self.children[idx].exit = Some(exit);
                         self.children[idx].deadline = None;
                     }
-                }
+                    Event::Hello { idx } => self.children[idx].connected = true,
+                    Event::Disconnected { idx } => self.children[idx].disconnected = true,
+                    Event::RemoteDied(death) => self.on_remote_death_while_stopping(death),
+                    _ => {}
+                },
                 Some(sig) = self.stops.recv() => self.escalate(sig),
                 _ = tokio::time::sleep_until(deadline) => return done(self),
             }

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use loom_supervisor::frame::{self, Header};
 use loom_supervisor::logs::ConsoleThread;
+use loom_supervisor::report::PeerDiedBody;
 use loom_supervisor::{supervise, Error, Outcome, Plan, WIRE_VERSION};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -41,15 +42,23 @@ fn plan(processes: Vec<Proc>, startup_timeout_s: f64, grace_period_s: f64) -> Pl
 
 /// Runs `plan` on a current-thread runtime; `stop_after` sends one SIGTERM request.
 fn run(plan: Plan, stop_after: Option<Duration>) -> (Result<Outcome, Error>, Duration) {
+    run_and_stop(plan, stop_after.map(|after| async move { tokio::time::sleep(after).await }))
+}
+
+/// Runs `plan` on a current-thread runtime; one SIGTERM request once `stop` is done.
+fn run_and_stop(
+    plan: Plan,
+    stop: Option<impl std::future::Future<Output = ()> + Send + 'static>,
+) -> (Result<Outcome, Error>, Duration) {
     let console = ConsoleThread::start().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let started = Instant::now();
     let (tx, rx) = mpsc::unbounded_channel();
     let c = console.console();
     let result = rt.block_on(async move {
-        if let Some(after) = stop_after {
+        if let Some(stop) = stop {
             tokio::spawn(async move {
-                tokio::time::sleep(after).await;
+                stop.await;
                 let _ = tx.send(libc::SIGTERM);
             });
         } else {
@@ -151,6 +160,13 @@ fn a_program_that_cannot_start_is_an_error() {
 /// Set in the lead child's environment: where it writes the PEER_DIED body it receives.
 /// `<path>.ready` appears once it has sent READY, so a peer may die while it listens.
 const LEAD_OUT: &str = "SUPERVISE_TEST_LEAD_OUT";
+/// Set in the lead child's environment, it drains this many seconds after SHUTDOWN
+/// (`<LEAD_OUT>.draining` appears first) and exits 0; a PEER_DIED meanwhile is kept, the
+/// drain goes on. Without it the lead ignores SHUTDOWN and exits at PEER_DIED.
+const LEAD_DRAIN_S: &str = "SUPERVISE_TEST_LEAD_DRAIN_S";
+/// Set in the environment of the engine-core child that reports a remote death: once this
+/// path exists it sends REMOTE_DIED (`<path>.reporter` appears once it has sent READY).
+const REPORT_WHEN: &str = "SUPERVISE_TEST_REPORT_WHEN";
 
 /// A PEER_DIED body as the lead decodes it: exactly these keys.
 #[derive(Debug, PartialEq, Deserialize)]
@@ -172,6 +188,66 @@ struct PeerDied {
 fn lead_child_process() {
     let Some(out) = std::env::var_os(LEAD_OUT) else { return };
     let out = PathBuf::from(out);
+    let drain = std::env::var(LEAD_DRAIN_S).ok().map(|s| Duration::from_secs_f64(s.parse().unwrap()));
+    let mut sock = connect_and_ready("frontend");
+    std::fs::write(out.with_extension("ready"), b"").unwrap();
+    loop {
+        let (header, payload) = read_frame(&mut sock);
+        if header.kind == "PEER_DIED" {
+            assert_eq!(header.src, "supervisor");
+            let partial = out.with_extension("partial");
+            std::fs::write(&partial, &payload[header.body.clone()]).unwrap();
+            std::fs::rename(partial, &out).unwrap();
+            if drain.is_none() {
+                std::process::exit(0);
+            }
+        }
+        if let (Some(drain), "SHUTDOWN") = (drain, header.kind.as_str()) {
+            std::fs::write(out.with_extension("draining"), b"").unwrap();
+            std::thread::spawn(move || {
+                std::thread::sleep(drain);
+                std::process::exit(0);
+            });
+        }
+    }
+}
+
+/// Not a test of its own: the engine-core child that reports the death of a remote worker
+/// (worker:1, pid 4242 on node 10.0.0.2) once the path in `REPORT_WHEN` exists.
+#[test]
+fn reporter_child_process() {
+    let Some(when) = std::env::var_os(REPORT_WHEN) else { return };
+    let when = PathBuf::from(when);
+    let mut sock = connect_and_ready("engine_core");
+    std::fs::write(when.with_extension("reporter"), b"").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !when.exists() {
+        assert!(Instant::now() < deadline, "{} did not appear", when.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let body = remote_death().encode();
+    sock.write_all(&frame::encode(WIRE_VERSION, "engine_core", "supervisor", "REMOTE_DIED", &body).unwrap()).unwrap();
+    loop {
+        std::thread::sleep(Duration::from_secs(1)); // until the stop signal
+    }
+}
+
+fn remote_death() -> PeerDiedBody {
+    PeerDiedBody {
+        role: "worker".into(),
+        rank: 1,
+        pid: 4242,
+        exit_code: None,
+        signal: Some("SIGKILL".into()),
+        phase: "running".into(),
+        reason: "worker:1 died: its actor was lost with its node".into(),
+        stderr_tail: vec!["CUDA error".into()],
+        node: Some("10.0.0.2".into()),
+    }
+}
+
+/// HELLO, CONFIG and READY as `role` (rank 0) on the supervisor's socket.
+fn connect_and_ready(role: &'static str) -> UnixStream {
     let mut sock = UnixStream::connect(std::env::var("LOOM_SUPERVISOR_SOCKET").unwrap()).unwrap();
     sock.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     #[derive(Serialize)]
@@ -181,24 +257,21 @@ fn lead_child_process() {
         pid: u32,
         messages_version: u32,
     }
-    let hello = Hello { role: "frontend", rank: 0, pid: std::process::id(), messages_version: WIRE_VERSION };
+    let hello = Hello { role, rank: 0, pid: std::process::id(), messages_version: WIRE_VERSION };
     let send = |sock: &mut UnixStream, kind: &str, body: &[u8]| {
-        sock.write_all(&frame::encode(WIRE_VERSION, "frontend", "supervisor", kind, body).unwrap()).unwrap();
+        sock.write_all(&frame::encode(WIRE_VERSION, role, "supervisor", kind, body).unwrap()).unwrap();
     };
     send(&mut sock, "HELLO", &rmp_serde::to_vec_named(&hello).unwrap());
     assert_eq!(read_frame(&mut sock).0.kind, "CONFIG");
     send(&mut sock, "READY", b"");
-    std::fs::write(out.with_extension("ready"), b"").unwrap();
-    loop {
-        let (header, payload) = read_frame(&mut sock);
-        if header.kind == "PEER_DIED" {
-            assert_eq!(header.src, "supervisor");
-            let partial = out.with_extension("partial");
-            std::fs::write(&partial, &payload[header.body.clone()]).unwrap();
-            std::fs::rename(partial, &out).unwrap();
-            std::process::exit(0);
-        }
-    }
+    sock
+}
+
+/// This test binary run again as the child that `name` is the entry point of.
+fn this_binary(role: &'static str, name: &str, env: BTreeMap<String, String>) -> Proc {
+    let exe = std::env::current_exe().unwrap().to_string_lossy().into_owned();
+    let argv = [exe.as_str(), name, "--exact", "--nocapture", "--test-threads", "1", "-q"].map(String::from).to_vec();
+    Proc { role, rank: 0, argv, env }
 }
 
 fn read_frame(sock: &mut UnixStream) -> (Header, Vec<u8>) {
@@ -215,15 +288,8 @@ fn peer_died(peer_role: &'static str, peer_rank: u32, peer_script: &str) -> (Pee
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("peer_died.msgpack");
     let ready = out.with_extension("ready");
-    let exe = std::env::current_exe().unwrap().to_string_lossy().into_owned();
-    let lead = Proc {
-        role: "frontend",
-        rank: 0,
-        argv: [exe.as_str(), "lead_child_process", "--exact", "--nocapture", "--test-threads", "1", "-q"]
-            .map(String::from)
-            .to_vec(),
-        env: BTreeMap::from([(LEAD_OUT.to_string(), out.to_string_lossy().into_owned())]),
-    };
+    let env = BTreeMap::from([(LEAD_OUT.to_string(), out.to_string_lossy().into_owned())]);
+    let lead = this_binary("frontend", "lead_child_process", env);
     // The peer waits (up to 20 s) for the lead to listen: a lead still starting hears nothing.
     let wait = format!(
         "i=0; while [ ! -e '{}' ]; do i=$((i+1)); [ $i -gt 2000 ] && exit 99; sleep 0.01; done; {peer_script}",
@@ -281,4 +347,42 @@ fn peer_died_tells_the_lead_about_an_exit_code() {
         stderr_tail: vec!["ValueError: boom".into()],
     };
     assert_eq!(body, expected);
+}
+
+#[test]
+fn a_remote_death_during_a_drain_is_reported_and_the_serve_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("peer_died.msgpack");
+    let draining = out.with_extension("draining");
+    let drain = Duration::from_millis(1500);
+    let lead_env = BTreeMap::from([
+        (LEAD_OUT.to_string(), out.to_string_lossy().into_owned()),
+        (LEAD_DRAIN_S.to_string(), drain.as_secs_f64().to_string()),
+    ]);
+    let lead = this_binary("frontend", "lead_child_process", lead_env);
+    let core_env = BTreeMap::from([(REPORT_WHEN.to_string(), draining.to_string_lossy().into_owned())]);
+    let core = this_binary("engine_core", "reporter_child_process", core_env);
+    // SIGTERM once both listen: the lead drains, and the engine core reports the death meanwhile.
+    let listening = [out.with_extension("ready"), draining.with_extension("reporter")];
+    let stop = async move {
+        while !listening.iter().all(|p| p.exists()) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let started = Instant::now();
+    let (outcome, _) = run_and_stop(plan(vec![lead, core], 30.0, 5.0), Some(stop));
+    let outcome = outcome.unwrap();
+    let report = outcome.report.unwrap_or_default();
+    assert_eq!(outcome.code, 1, "a rank died during the drain: {report}");
+    assert!(
+        report.contains("worker:1 (pid 4242 on node 10.0.0.2) was killed by SIGKILL in phase 'running'"),
+        "{report}"
+    );
+    assert!(report.contains("engine_core reported: worker:1 died: its actor was lost with its node"), "{report}");
+    assert!(report.ends_with("stopped the other 2 processes; exiting with code 1\n"), "{report}");
+    // The draining lead was told, node included, and drained to its end all the same.
+    let told: PeerDiedBody = rmp_serde::from_slice(&std::fs::read(&out).unwrap()).unwrap();
+    assert_eq!(told, remote_death());
+    assert!(started.elapsed() >= drain, "the drain was cut short: {:?}", started.elapsed());
+    assert!(!outcome.run_dir.exists());
 }

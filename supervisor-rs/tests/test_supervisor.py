@@ -85,6 +85,9 @@ CHILD = textwrap.dedent(
     if behaviour == "remote_died" and role == "engine_core":
         wait_for_file(frontend_listens)
         conn.send(client.SUPERVISOR, client.REMOTE_DIED, remote_death.to_body())
+    if behaviour == "remote_died_while_draining" and role == "engine_core":
+        wait_for_file(os.path.join(here, "frontend.draining"))
+        conn.send(client.SUPERVISOR, client.REMOTE_DIED, remote_death.to_body())
     if behaviour == "remote_died_dropped":
         wait_for_file(frontend_listens)
         if role == "worker":  # not the engine core: not its death to report
@@ -129,14 +132,26 @@ CHILD = textwrap.dedent(
         sys.exit(0)
 
     if behaviour in ("serve", "crash_after_hello", "killed_after_hello", "hang_before_ready", "close_and_live",
-                     "stop_itself", "oversize", "remote_died", "remote_died_dropped"):
+                     "stop_itself", "oversize", "remote_died", "remote_died_dropped",
+                     "remote_died_while_draining"):
         if role != "frontend":
             block()
+        drain_until = None  # a slow drain: it ends at this instant, whatever comes meanwhile
         while True:
-            frame = conn.recv()
+            if drain_until is None:
+                frame = conn.recv()
+            else:
+                left = drain_until - time.monotonic()
+                frame = conn.recv(left) if left > 0 else None
+                if frame is None:
+                    log("drained")
+                    sys.exit(0)
             if frame.kind == client.SHUTDOWN:
                 log("draining")
-                sys.exit(0)
+                if behaviour != "remote_died_while_draining":
+                    sys.exit(0)
+                drain_until = time.monotonic() + 1.5
+                open(os.path.join(here, "frontend.draining"), "w").close()
             if frame.kind == client.PEER_DIED:
                 assert frame.src == client.SUPERVISOR, frame
                 died = client.PeerDied.from_frame(frame)
@@ -144,7 +159,8 @@ CHILD = textwrap.dedent(
                     json.dump({"body": client.decode_body(frame), "described": died.describe()}, f)
                 os.rename(os.path.join(here, "peer_died.json.partial"), os.path.join(here, "peer_died.json"))
                 log("PEER_DIED received")
-                sys.exit(0)
+                if drain_until is None:
+                    sys.exit(0)
 
     if behaviour == "finish":
         if role == "frontend":
@@ -469,6 +485,33 @@ def test_a_remote_death_reported_by_the_engine_core_ends_the_serve(child: Path, 
         "worker:1 died: its actor was lost with its node"
     )
     pids = serve.child_pids()
+    assert set(pids) == {"frontend", "engine_core"}
+    assert_all_gone(list(pids.values()))
+    assert list((tmp_path / "xdg").iterdir()) == []
+
+
+def test_a_remote_death_during_a_drain_is_reported_and_the_serve_exits_1(child: Path, tmp_path: Path) -> None:
+    # SIGTERM: the frontend drains for 1.5 s, and meanwhile the engine core reports worker:1's death.
+    serve = Serve(make_plan(child, "remote_died_while_draining", [("frontend", 0), ("engine_core", 0)]),
+                  tmp_path / "xdg")
+    serve.wait_for("all 2 processes ready")
+    pids = serve.child_pids()
+    serve.proc.send_signal(signal.SIGTERM)
+    assert serve.finish() == 1, serve.text  # every child ended cleanly, but a rank died
+    text = serve.text
+    assert "SIGTERM received: frontend is draining" in text
+    told = "engine_core reported that worker:1 (pid 4242 on node 10.0.0.2) died while the serve was stopping"
+    assert told in text
+    # The drain went on to its end, the draining frontend told of the death (node included).
+    assert "[frontend] PEER_DIED received" in text and "[frontend] drained" in text
+    received = json.loads((child.parent / "peer_died.json").read_text())
+    assert received["body"]["node"] == "10.0.0.2" and received["body"]["rank"] == 1
+    # The report, as for a death while running, comes last.
+    assert "worker:1 (pid 4242 on node 10.0.0.2) was killed by SIGKILL in phase 'running'" in text
+    assert "role: worker, rank: 1, pid: 4242, node: 10.0.0.2" in text
+    assert "engine_core reported: worker:1 died: its actor was lost with its node" in text
+    assert "| CUDA error" in text
+    assert text.rstrip().endswith("stopped the other 2 processes; exiting with code 1"), text
     assert set(pids) == {"frontend", "engine_core"}
     assert_all_gone(list(pids.values()))
     assert list((tmp_path / "xdg").iterdir()) == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -202,3 +203,41 @@ def test_a_node_that_resolves_another_platform_is_refused(cluster, tiny_llama, e
         assert _left_in(cluster) == ([], [])
     finally:
         cluster.remove_node(odd)
+
+
+def test_a_node_lost_during_a_step_is_found_within_seconds(cluster, tiny_llama):
+    """The node of a rank goes away without warning (its raylet killed) while a batch runs: the
+    step fails with the rank named, well before Ray's health checks declare the node dead."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=256, tensor_parallel_size=2,
+              ray_address=cluster.address, **RAY)
+    executor = llm.llm_engine.executor
+    # the rank that is not on the head node (this process, the driver, is connected to the head)
+    rank = next(r for r, w in enumerate(executor.where) if w["node_id"] != cluster.head_node.node_id)
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == executor.where[rank]["node_id"])
+    failed: list[tuple[BaseException, float]] = []
+
+    def generate() -> None:
+        try:
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 4, SamplingParams(max_tokens=200, ignore_eos=True))
+        except Exception as e:
+            failed.append((e, time.monotonic()))
+
+    runner = threading.Thread(target=generate)
+    runner.start()
+    while llm.llm_engine.get_stats().num_generation_tokens < 8:  # the batch is decoding
+        assert runner.is_alive(), failed
+        time.sleep(0.05)
+    cluster.remove_node(node, allow_graceful=False)
+    lost_at = time.monotonic()
+    runner.join(timeout=60)
+    try:
+        assert failed, "the batch finished although rank 1's node is gone"
+        error, at = failed[0]
+        print(f"node of worker:{rank} lost: the step failed {at - lost_at:.2f} s later")
+        assert f"worker:{rank}" in str(error) and executor.died, error
+        assert at - lost_at < 10, f"found {at - lost_at:.1f} s after the node was lost"
+    finally:
+        llm.shutdown()
+        cluster.add_node(num_cpus=1)  # the fixture's two nodes again
+        cluster.wait_for_nodes()
+    assert _left_in(cluster) == ([], [])

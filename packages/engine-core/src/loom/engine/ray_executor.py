@@ -155,6 +155,12 @@ class RayExecutor(Executor):
                 if phase == "start":
                     raise RuntimeError(f"worker:{rank} died during start-up: {why}") from None
                 raise RankDiedError(self._record_death(rank, why).describe()) from None
+            if phase == "step" and len(self.actors) > 1:
+                silent = self._silent_rank()
+                if silent is not None:
+                    why = (f"it does not answer within {PROBE_TIMEOUT_S:g} s after its partners' collective failed: "
+                           "its node is probably lost (Ray has not declared it dead yet)")
+                    raise RankDiedError(self._record_death(silent, why).describe()) from None
             cause = e.cause if isinstance(e, RayTaskError) and isinstance(e.cause, BaseException) else e
             if phase == "start":
                 if isinstance(cause, ray_utils.NodeMismatchError):
@@ -163,7 +169,23 @@ class RayExecutor(Executor):
             raise WorkerStepError(f"{type(cause).__name__}: {cause}") from None
 
     # ---- deaths ------------------------------------------------------------------------------
+    def _silent_rank(self) -> int | None:
+        """After a failed step of several ranks: the first rank that does not answer a trivial
+        call. A lost node's actor is declared dead by Ray only after its health checks (over
+        ten seconds); its partners' collective fails at once, and so does this probe."""
+        probes = [a.where.remote() for a in self.actors]
+        ready, _ = ray.wait(probes, num_returns=len(probes), timeout=PROBE_TIMEOUT_S)
+        answered = set(ready)
+        return next((rank for rank, ref in enumerate(probes) if ref not in answered), None)
+
     def _watch(self) -> None:
+        try:
+            self._watch_until_a_death()
+        except Exception as e:  # Ray itself went away under us (the driver shut it down)
+            if not self._closing:
+                logger.warning("Stopped watching the Ray workers: %s: %s", type(e).__name__, _first_line(e))
+
+    def _watch_until_a_death(self) -> None:
         pending = list(self._watches)
         while pending and not self._closing:
             done, pending = ray.wait(pending, num_returns=1, timeout=None)
@@ -172,8 +194,9 @@ class RayExecutor(Executor):
                 try:
                     ray.get(ref)
                 except ActorUnavailableError:  # unreachable for now (a network blip): watch again
-                    if not self._closing:
-                        again = self.actors[rank].watch.remote()
+                    actors = self.actors  # shutdown may empty it meanwhile
+                    if not self._closing and rank < len(actors):
+                        again = actors[rank].watch.remote()
                         self._watches[again] = rank
                         pending.append(again)
                 except Exception as e:  # the actor died (the watch returns normally only on shutdown)
@@ -215,6 +238,9 @@ class RayExecutor(Executor):
                 logger.warning("Could not remove the placement group: %s", _first_line(e))
             self.group = None
 
+
+PROBE_TIMEOUT_S = 2.0
+"""How long a rank whose thread is free may take to answer a trivial call before it is taken for lost."""
 
 DEATH_SETTLE_S = 2.0
 """When a rank dies its partners' calls fail too (their collective lost a member), often first:
