@@ -140,8 +140,6 @@ def bundle_nodes(group: PlacementGroup) -> list[str]:
     return [by_index[i] for i in range(len(by_index))]
 
 
-def node_cpus(node_id: str) -> int:
-    for node in ray.nodes():
-        if node["NodeID"] == node_id:
-            return int(node["Resources"].get("CPU", 1))
-    return 1
+def node_cpus() -> dict[str, int]:
+    """Each alive node's CPUs, by node id."""
+    return {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive")}

@@ -77,13 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     # The supervisor stops its children with SIGUSR1: leave the loop through ``finally``, so
     # that the executor releases its workers (Ray actors and their placement group included).
     # Exit 1 if a Ray rank died: during a drain the supervisor judges the end by exit codes.
-    died = lambda: bool(getattr(executor, "died", False))  # noqa: E731
-    signal.signal(signal.SIGUSR1, lambda signum, frame: _exit(1 if died() else 0))
+    signal.signal(signal.SIGUSR1, lambda signum, frame: _exit(1 if executor.died else 0))
     try:
         core.run(ChannelInbox(channel, executor), lambda out: channel.send("frontend", out))
     except EngineFatalError as e:
         logger.error("%s", e)
-        if died():
+        if executor.died:
             # The death went to the supervisor as a REMOTE_DIED frame: exiting now could let our
             # exit reach it first and be reported instead. It stops us once it has read the frame.
             time.sleep(REPORT_WAIT_S)

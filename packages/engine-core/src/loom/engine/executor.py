@@ -31,6 +31,12 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    @property
+    def died(self) -> bool:
+        """Whether a rank died in a way the executor has already reported (a Ray actor's
+        death goes to the supervisor as a frame; a worker process's the supervisor sees itself)."""
+        return False
+
     def shutdown(self) -> None:
         """Release the workers; the engine calls it once, last."""
 

@@ -100,12 +100,13 @@ class RayExecutor(Executor):
         config, world = self.config, self.config.parallel_config.world_size
         nodes = ray_utils.bundle_nodes(self.group)
         ranks_on = Counter(nodes)
+        cpus = ray_utils.node_cpus()
         for rank, node in enumerate(nodes):
             # the operator's LOOM_* settings; not this process's identity, which the supervisor set for it
             env = {k: v for k, v in os.environ.items() if k.startswith("LOOM_") and k not in PROCESS_IDENTITY}
             env.update(LOOM_ROLE="worker", LOOM_RANK=str(rank))
             # the node's cores shared by its ranks, unless the operator said otherwise
-            env.setdefault("LOOM_CPU_NUM_THREADS", str(max(1, ray_utils.node_cpus(node) // ranks_on[node])))
+            env.setdefault("LOOM_CPU_NUM_THREADS", str(max(1, cpus.get(node, 1) // ranks_on[node])))
             self.actors.append(RayWorker.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank),
                 runtime_env={"env_vars": env}, name=None, **ray_utils.bundle_options(device_key),
