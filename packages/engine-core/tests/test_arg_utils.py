@@ -39,6 +39,10 @@ FLAGS = {
     "--ray-address": "ray_address",
     "--ray-placement-strategy": "ray_placement_strategy",
     "--ray-placement-timeout": "ray_placement_timeout",
+    "--enable-lora": "enable_lora",
+    "--max-loras": "max_loras",
+    "--max-lora-rank": "max_lora_rank",
+    "--max-cpu-loras": "max_cpu_loras",
 }
 FLAGLESS = {"model", "fail_on_environ_validation"}  # model is the command's positional
 

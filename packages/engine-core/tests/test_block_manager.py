@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from loom.engine.block_manager import BlockManager
 from loom.engine.request import Request
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 
 BS = 4
 
@@ -267,3 +267,21 @@ def test_freed_request_allocated_again_from_scratch_registers_its_blocks_again()
     a.num_computed_tokens = 0
     assert bm.allocate_slots(a, 9)  # no lookup: it takes every block, evicting its own old copies
     assert bm.get_computed_blocks(make_request(list(range(9)), "b")) == (a.block_ids[:2], 8)
+
+
+def test_blocks_are_keyed_by_lora_adapter():
+    """The same tokens under another adapter (or none) hold other K/V: never a hit; under the same
+    adapter, a hit. A forced hash collision across adapters is caught by the recorded adapter id."""
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    prompt = list(range(9))  # two full blocks
+    lora = [LoRARequest(f"a{i}", i, f"/adapters/a{i}") for i in (1, 2)]
+    first = Request("a", None, prompt, SamplingParams(), 0, lora_request=lora[0])
+    assert schedule_prompt(bm, first)
+    assert bm.get_computed_blocks(Request("b", None, prompt, SamplingParams(), 1, lora_request=lora[1])) == ([], 0)
+    assert bm.get_computed_blocks(make_request(prompt, "base")) == ([], 0)
+    same = Request("c", None, prompt, SamplingParams(), 2, lora_request=lora[0])
+    assert bm.get_computed_blocks(same) == (first.block_ids[:2], 8)
+    other = Request("d", None, prompt, SamplingParams(), 3, lora_request=lora[1])
+    bm._hash_blocks(other, 2)
+    other.block_hashes[:] = first.block_hashes  # force a collision with adapter 1's chain
+    assert bm.get_computed_blocks(other) == ([], 0)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom.ipc import codec, messages
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 from loom_plugin_api.step import ModelRunnerOutput
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -52,7 +52,10 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
     )
 
 
-HAND_WRITTEN: dict[type, st.SearchStrategy[Any]] = {SamplingParams: sampling_params()}
+HAND_WRITTEN: dict[type, st.SearchStrategy[Any]] = {
+    SamplingParams: sampling_params(),
+    LoRARequest: st.builds(LoRARequest, st.text(min_size=1), st.integers(1, 2**63 - 1), st.text(min_size=1)),
+}
 SCALARS: dict[Any, st.SearchStrategy[Any]] = {
     int: INTS, float: FLOATS, str: st.text(), bool: st.booleans(), bytes: st.binary(), type(None): st.none(),
 }

@@ -7,7 +7,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from loom.config import CacheConfig, SchedulerConfig
+from loom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from loom.engine.llm_engine import EngineStepError, LLMEngine
 from loom.outputs import RequestOutput
 from loom_plugin_api import SamplingParams
@@ -90,6 +90,7 @@ def make_engine(
     tokenizer=None, chunked: bool = True,
 ) -> LLMEngine:
     config = SimpleNamespace(
+        lora_config=LoRAConfig(),
         cache_config=CacheConfig(block_size=BS),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked

@@ -7,7 +7,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from loom.config import CacheConfig, SchedulerConfig
+from loom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from loom.engine.errors import EngineDeadError, RequestFailedError
 from loom.engine.inproc import InprocAsyncLLM
 from loom.metrics import load_stat_loggers
@@ -52,6 +52,7 @@ class Recorder:
 
 def make_client(executor: CountingExecutor | None = None, **kwargs) -> InprocAsyncLLM:
     config = SimpleNamespace(
+        lora_config=LoRAConfig(),
         cache_config=CacheConfig(block_size=4),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
         model_config=SimpleNamespace(max_model_len=64, hf_config=SimpleNamespace(eos_token_id=7),

@@ -595,7 +595,8 @@ class DyingEngineClient(EngineClient):
     def dead_error(self) -> str | None:
         return self._dead
 
-    async def generate(self, request_id, prompt, prompt_token_ids, sampling_params) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id, prompt, prompt_token_ids, sampling_params,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         for token in (262, 263):
             yield RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
                                 outputs=[CompletionOutput(index=0, text=" x", token_ids=[token])], finished=False)

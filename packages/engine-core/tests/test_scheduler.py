@@ -7,7 +7,7 @@ from loom.config import CacheConfig, SchedulerConfig
 from loom.engine.block_manager import BlockManager
 from loom.engine.request import Request, RequestStatus
 from loom.engine.scheduler import Scheduler
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 from loom_plugin_api.step import (
     ModelRunnerOutput,
     NewRequestData,
@@ -573,3 +573,36 @@ def test_suspects_that_are_not_waiting_do_not_stall_the_queue():
     sched.suspects.add("ghost")
     assert scheduled(sched.schedule()) == [("a", 0, 3, True), ("b", 0, 3, True)]
     assert sched.suspects == set()
+
+
+def test_a_step_never_holds_more_than_max_loras_adapters():
+    """Four adapters and the base model, two adapter slots: every step holds at most two adapters, a
+    request of a third waits (keeping its place) while later requests of held adapters and of the
+    base model start, and every request finishes with the tokens it gets alone."""
+    prompts = random_prompts(12, seed=3)
+    lora_ids = [1, 2, 3, 0, 4, 1, 2, 0, 3, 4, 1, 0]
+    alone, _ = run(make_scheduler(), [make_request(f"r{i}", p) for i, p in enumerate(prompts)])
+    sched = make_scheduler(budget=48)
+    sched.max_loras = 2
+    requests = []
+    for i, (p, lid) in enumerate(zip(prompts, lora_ids)):
+        req = make_request(f"r{i}", p)
+        if lid:
+            req.lora_request = LoRARequest(f"a{lid}", lid, f"/adapters/a{lid}")
+            req.lora_id = lid
+        requests.append(req)
+    got, outputs = run(sched, requests)
+    assert got == alone
+    started_before = set()
+    for out in outputs:
+        held = {sched_req.lora_id for sched_req in out.scheduled} - {0}
+        assert len(held) <= 2, held
+        assert all(r.lora_id == sched.requests[r.req_id].lora_id for r in out.scheduled if r.req_id in sched.requests)
+        for new in out.new_requests:
+            lid = lora_ids[int(new.req_id[1:])]
+            assert (new.lora_request.lora_int_id if new.lora_request else 0) == lid
+        started_before.update(n.req_id for n in out.new_requests)
+    # r2 (adapter 3) could not start with r0 and r1 (adapters 1 and 2) running; r3 (base) behind it did
+    first = outputs[0]
+    assert [n.req_id for n in first.new_requests][:3] == ["r0", "r1", "r3"]
+    assert "r2" in started_before

@@ -71,6 +71,7 @@ def test_block_size_follows_the_backend():
 
 def test_kernel_overrides_run_under_forward_cuda(overrides):
     assert CustomOp.get_kernel("rms_norm") is kernels.rms_norm
+    assert CustomOp.get_kernel("lora") is kernels.lora
     dev = DEVICE
     torch.manual_seed(0)
     norm = RMSNorm(64, eps=1e-5).to(dev)

@@ -42,6 +42,13 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "LOOM_CACHE_DIR": lambda: os.environ.get(
         "LOOM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "loom")
     ),
+    # "1" (or "true") lets clients load and unload LoRA adapters (POST /v1/load_lora_adapter,
+    # /v1/unload_lora_adapter) and lets a request naming an unknown model ask the LoRA resolvers.
+    "LOOM_ALLOW_RUNTIME_LORA_UPDATING": lambda: os.environ.get(
+        "LOOM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true"),
+    # Directory the filesystem LoRA resolver (a general plugin of loom-engine) finds adapters in,
+    # one subdirectory per adapter name; unset: the resolver does not register.
+    "LOOM_LORA_RESOLVER_CACHE_DIR": _str_or_none("LOOM_LORA_RESOLVER_CACHE_DIR"),
     "LOOM_LOGGING_LEVEL": lambda: os.environ.get("LOOM_LOGGING_LEVEL", "INFO").upper(),
 }
 

@@ -178,6 +178,8 @@ class CudaModelRunner(ModelRunner):
         md = inputs.attn_metadata
         if not self.graphs or not md.is_decode_only or md.num_tokens != md.num_reqs:
             return None
+        if inputs.lora_mapping is not None:  # graphs are recorded without adapters: run eagerly
+            return None
         return next((size for size in sorted(self.graphs) if size >= md.num_reqs), None)
 
     def run_model(self, inputs: ModelInput) -> torch.Tensor:

@@ -62,7 +62,8 @@ class CudaPlatform(Platform):
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
-        """Install the Triton kernels behind loom's ``forward_cuda`` (RMSNorm, RoPE, SiLU, the quantized linear)."""
+        """Install the Triton kernels behind loom's ``forward_cuda`` (RMSNorm, RoPE, SiLU, the quantized
+        linear, batched LoRA)."""
         # lazy: CustomOp is a torch.nn.Module and the kernels import triton; every process of a serve
         # loads this class, only the workers register kernels
         from loom_plugin_api import CustomOp
@@ -79,8 +80,9 @@ class CudaPlatform(Platform):
         CustomOp.register_kernel("rotary_embedding", kernels.rotary_embedding)
         CustomOp.register_kernel("silu_and_mul", kernels.silu_and_mul)
         CustomOp.register_kernel("quantized_linear", kernels.quantized_linear)  # .prepare packs 4-bit codes
-        logger.info("Triton kernels installed for rms_norm, rotary_embedding, silu_and_mul, quantized_linear (pid %d)",
-                    os.getpid())
+        CustomOp.register_kernel("lora", kernels.lora)
+        logger.info("Triton kernels installed for rms_norm, rotary_embedding, silu_and_mul, quantized_linear, lora "
+                    "(pid %d)", os.getpid())
 
     @classmethod
     def get_attn_backend_cls(

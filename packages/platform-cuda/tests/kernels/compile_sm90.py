@@ -34,7 +34,7 @@ except ImportError:
 
 from loom_platform_cuda import kernels as k  # noqa: E402
 from loom_platform_cuda.kernels import activation, attention, cache, layernorm, rotary  # noqa: E402
-from loom_plugin_api.ops import QuantizedWeight  # noqa: E402
+from loom_plugin_api.ops import LoRAMapping, QuantizedWeight  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 compiled: list[str] = []
@@ -112,7 +112,8 @@ def main() -> None:
     # The tensors here are CPU stand-ins that are never launched on: skip the CUDA-device check.
     # kernels.quantized_linear names the function (same name as its module): patch the module itself
     qlinear = sys.modules["loom_platform_cuda.kernels.quantized_linear"]
-    for module in (activation, attention, cache, layernorm, rotary, qlinear):
+    lora = sys.modules["loom_platform_cuda.kernels.lora"]  # likewise
+    for module in (activation, attention, cache, layernorm, rotary, qlinear, lora):
         module.check_device = lambda **tensors: None
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         b = paged_batch([(2048, 1)] * 4, 32, 8, 128, 16, dtype)
@@ -142,6 +143,14 @@ def main() -> None:
                 weight = QuantizedWeight(codes, torch.rand(256, 768 // group), torch.zeros(256, 768 // group),
                                          bits, group)
                 k.quantized_linear(torch.randn(4, 768, dtype=dtype), k.prepare_quantized_linear(weight, dtype))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for t, rank in ((4, 16), (300, 128)):  # decode (split-K), prefill with two rank tiles
+            slots = LoRAMapping.from_token_slots(torch.arange(t) % 3 - 1)
+            k.lora(torch.randn(t, 1024, dtype=dtype), torch.randn(t, 4096, dtype=dtype),
+                   torch.randn(2, rank, 4096, dtype=dtype), torch.randn(2, 1024, rank, dtype=dtype), slots)
+    slots = LoRAMapping.from_token_slots(torch.zeros(4, dtype=torch.int64))  # adapters kept in fp32
+    k.lora(torch.randn(4, 512, dtype=torch.bfloat16), torch.randn(4, 512, dtype=torch.bfloat16),
+           torch.randn(1, 8, 512), torch.randn(1, 512, 8), slots)
     print(f"compiled {len(compiled)} kernels for sm_90 ({len(launches)} launches)")
 
 

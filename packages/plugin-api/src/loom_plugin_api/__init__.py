@@ -29,6 +29,7 @@ from .config import (
     SchedulerConfigView,
 )
 from .context import (
+    current_lora_mapping,
     get_current_config,
     get_current_platform,
     get_forward_context,
@@ -38,6 +39,7 @@ from .context import (
 from .errors import CustomOpError, ModelRegistryError, PlatformError, PluginError
 from .host_platform import HostPlatform
 from .loader import load_general_plugins, load_plugins_by_group, load_plugins_strict, plugin_records
+from .lora import LoRARequest, LoRAResolver, LoRAResolverRegistry, lora_resolver_registry
 from .model_registry import ModelInfo, ModelRegistry
 from .platform import Platform, PlatformEnum
 from .sampling_params import SamplingParams
@@ -91,6 +93,9 @@ __all__ = [
     "DeviceCommunicatorBase",
     "DeviceConfigView",
     "HostPlatform",
+    "LoRARequest",
+    "LoRAResolver",
+    "LoRAResolverRegistry",
     "LoomConfigView",
     "ModelConfigView",
     "ModelInfo",
@@ -114,6 +119,7 @@ __all__ = [
     "TorchDistributedCommunicator",
     "WorkerBase",
     "WorkerServices",
+    "current_lora_mapping",
     "get_current_config",
     "get_current_platform",
     "get_forward_context",
@@ -121,6 +127,7 @@ __all__ = [
     "load_general_plugins",
     "load_plugins_by_group",
     "load_plugins_strict",
+    "lora_resolver_registry",
     "plugin_records",
     "resolve_obj_by_qualname",
     "set_current_config",

@@ -5,7 +5,8 @@ while the model runs a step, the step's attention metadata.
 the platform (``loom.platforms`` does this on import) and sets the current config
 around model construction (``set_current_config``). ``CustomOp`` and attention
 backends read both through this module. A model runner wraps each forward pass in
-``set_forward_context(attn_metadata)``; attention layers read it with ``get_forward_context``.
+``set_forward_context(attn_metadata, lora_mapping)``; attention layers read it with
+``get_forward_context``, LoRA layers the step's adapters with ``current_lora_mapping``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from .platform import Platform
 
 __all__ = [
-    "ForwardContext", "get_current_config", "get_current_platform", "get_forward_context", "set_current_config",
+    "ForwardContext", "current_lora_mapping", "get_current_config", "get_current_platform", "get_forward_context", "set_current_config",
     "set_forward_context", "set_platform_resolver",
 ]
 
@@ -68,21 +69,29 @@ def get_current_config() -> LoomConfigView | None:
 @dataclass(slots=True)
 class ForwardContext:
     attn_metadata: AttentionMetadata
+    lora_mapping: Any = None
+    """The step's ``ModelInput.lora_mapping`` (None: no adapter in the step)."""
 
 
 _forward_context: ForwardContext | None = None
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: AttentionMetadata) -> Iterator[None]:
-    """Make ``attn_metadata`` the current step's while the model runs (one forward pass)."""
+def set_forward_context(attn_metadata: AttentionMetadata, lora_mapping: Any = None) -> Iterator[None]:
+    """Make ``attn_metadata`` (and the step's ``lora_mapping``) the current step's while the
+    model runs (one forward pass)."""
     global _forward_context
     previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata)
+    _forward_context = ForwardContext(attn_metadata, lora_mapping)
     try:
         yield
     finally:
         _forward_context = previous
+
+
+def current_lora_mapping() -> Any:
+    """The running step's ``lora_mapping``; None outside a step or when no row uses an adapter."""
+    return None if _forward_context is None else _forward_context.lora_mapping
 
 
 def get_forward_context() -> ForwardContext:

@@ -68,6 +68,8 @@ KERNEL_SIGNATURES: dict[str, str] = {
     "quantized_linear": "quantized_linear(x, weight, bias=None) -> x @ W.T (+ bias), W the QuantizedWeight's "
                         "dequantized weights; weight is the QuantizedWeight, or what the kernel's optional "
                         "prepare(weight: QuantizedWeight, dtype) attribute made of it once at load",
+    "lora": "lora(y, x, lora_a, lora_b, mapping) -> y, with y[t] += x[t] @ lora_a[s].T @ lora_b[s].T added in "
+            "place for each row t of an adapter slot s (mapping: a LoRAMapping)",
 }
 """The kernels a platform may install, by op name, with the signature each is called with."""
 

@@ -95,8 +95,9 @@ class ModelRunner:
 
     def run_model(self, inputs: ModelInput) -> torch.Tensor:
         """The forward pass of one step: hidden states ``(T, hidden)``. A platform's runner
-        may replace it (e.g. to replay a recorded graph)."""
-        with set_forward_context(inputs.attn_metadata):
+        may replace it (e.g. to replay a recorded graph; a step with ``inputs.lora_mapping`` must
+        then pass it to ``set_forward_context`` too)."""
+        with set_forward_context(inputs.attn_metadata, inputs.lora_mapping):
             return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()

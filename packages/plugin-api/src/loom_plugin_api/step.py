@@ -10,9 +10,10 @@ step that ``WorkerServices.prepare_inputs`` builds from a ``SchedulerOutput``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .attention import AttentionMetadata
+from .lora import LoRARequest
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,6 +36,9 @@ class NewRequestData:
     """For penalties and prompt logprobs (prefix-cached prompt tokens are never scheduled)."""
     eos_token_id: int | None = None
     """The engine's EOS for this request; min_tokens masks it."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model); its id is ``lora_id`` in
+    every ``ScheduledRequest`` of the request."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -52,6 +56,9 @@ class ScheduledRequest:
     """True when this step reaches the end of the known tokens, so a token is sampled."""
     num_output_tokens: int = 0
     """Tokens generated so far (for min_tokens)."""
+    lora_id: int = 0
+    """The ``lora_int_id`` of the request's adapter, 0 for none. A step holds at most
+    ``--max-loras`` distinct adapters."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -120,3 +127,6 @@ class ModelInput:
     """(N,) flat index of the last token of each request that samples this step."""
     sample_req_ids: list[str]
     """The requests that sample this step, in scheduled order."""
+    lora_mapping: Any = None
+    """The step's adapters, row by row (opaque to a runner; None when no row uses one). The
+    runner passes it to ``set_forward_context``, where the model's LoRA layers read it."""

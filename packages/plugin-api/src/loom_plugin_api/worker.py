@@ -49,7 +49,8 @@ class WorkerServices(ABC):
     """What the engine does for a worker. The engine builds one per worker process.
 
     Each method runs in the worker's process, on the calling thread; none keeps state
-    between calls except what it returns.
+    between calls except what it returns, and the LoRA adapters of the model ``build_model``
+    built (``prepare_inputs`` loads the step's adapters into it and sets ``ModelInput.lora_mapping``).
     """
 
     @abstractmethod

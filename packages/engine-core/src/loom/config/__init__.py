@@ -5,6 +5,7 @@ from .compilation import CompilationConfig
 from .device import DeviceConfig
 from .load import LoadConfig
 from .loom import LoomConfig
+from .lora import LoRAConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
 from .scheduler import SchedulerConfig
@@ -13,6 +14,7 @@ __all__ = [
     "CacheConfig",
     "CompilationConfig",
     "DeviceConfig",
+    "LoRAConfig",
     "LoadConfig",
     "LoomConfig",
     "ModelConfig",

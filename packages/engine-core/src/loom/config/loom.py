@@ -10,6 +10,7 @@ from .cache import CacheConfig
 from .compilation import CompilationConfig
 from .device import DeviceConfig
 from .load import LoadConfig
+from .lora import LoRAConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
 from .scheduler import SchedulerConfig
@@ -26,6 +27,7 @@ class LoomConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     load_config: LoadConfig = field(default_factory=LoadConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         current_platform = platforms.current_platform

@@ -47,6 +47,13 @@ def _api_key_file(path: str) -> str:
     return path
 
 
+def _lora_module(text: str) -> str:
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its PEFT directory), got {text!r}")
+    return text
+
+
 @dataclass(slots=True, kw_only=True)
 class ServerConfig:
     host: str = flag("127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -75,6 +82,11 @@ class ServerConfig:
         1, type=positive_int, help="tokens per streamed event at least (default 1: every token); larger "
                                    "values send fewer, larger SSE events when many streams share a small machine")
 
+    lora_modules: list[str] = flag(
+        default_factory=list, type=_lora_module, action="extend", nargs="+", metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served from the start, by name: a request's model names one "
+             "(needs --enable-lora)")
+
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         add_flags(parser.add_argument_group("server"), cls)
@@ -95,8 +107,10 @@ class ServerConfig:
         argv = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name != "api_key" and value is not None:
-                argv.append(f"--{f.name.replace('_', '-')}={value}")  # one word: a value may start with "-"
+            if f.name == "api_key" or value is None:
+                continue
+            for item in value if isinstance(value, list) else [value]:
+                argv.append(f"--{f.name.replace('_', '-')}={item}")  # one word: a value may start with "-"
         return argv
 
     @property

@@ -21,6 +21,7 @@ from ..config import (
     DeviceConfig,
     LoadConfig,
     LoomConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -92,6 +93,14 @@ class EngineArgs:
              "every rank on a different node")
     ray_placement_timeout: float = flag(60.0, type=float,
                                         help="seconds to wait for the Ray cluster's resources (default 60)")
+    enable_lora: bool = flag(False, action="store_true",
+                             help="serve LoRA adapters (PEFT format) on the base model: --lora-modules, a request's "
+                                  "model naming an adapter, LLM.generate(lora_request=...)")
+    max_loras: int = flag(1, type=int, help="distinct adapters one step may hold (default 1)")
+    max_lora_rank: int = flag(16, type=int, help="largest adapter rank served (default 16); every slot is this wide")
+    max_cpu_loras: int | None = flag(None, type=int,
+                                     help="adapters each worker keeps loaded, least recently used evicted "
+                                          "(default: --max-loras)")
     fail_on_environ_validation: bool = False  # no flag: set as a keyword of EngineArgs(...) or LLM(...)
 
     @staticmethod
@@ -154,6 +163,8 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             compilation_config=CompilationConfig(custom_ops=list(self.custom_ops), enforce_eager=self.enforce_eager),
             load_config=LoadConfig(load_format=self.load_format),
+            lora_config=LoRAConfig(enable_lora=self.enable_lora, max_loras=self.max_loras,
+                                   max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras),
         )
 
 

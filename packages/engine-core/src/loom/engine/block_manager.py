@@ -6,6 +6,8 @@ all computed is registered under a hash chained over (parent hash, its token ids
 later request with the same prefix maps the same block instead of computing it again.
 A free block keeps its hash and contents until it is reused: the free queue is in LRU
 order and a cached block leaves the cache only when the allocator takes it (eviction).
+The chain of a request with a LoRA adapter starts from its adapter's id, and a block records
+that id beside its tokens: KV computed under one adapter never serves another, or the base model.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from collections.abc import Sequence
 from .request import Request
 
 _ROOT_HASH = 0
+
+
+def _key(request: Request, tokens: Sequence[int]) -> tuple[int, ...]:
+    """What a cached block must hold to serve ``request``: its adapter's id, then its tokens."""
+    return (request.lora_id, *tokens)
 
 
 class BlockManager:
@@ -59,7 +66,7 @@ class BlockManager:
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else (hash(("lora", request.lora_id)) if request.lora_id else _ROOT_HASH)
         for i in range(len(hashes), num_full_blocks):
             parent = hash((parent, tuple(tokens[i * bs:(i + 1) * bs])))
             hashes.append(parent)
@@ -83,7 +90,7 @@ class BlockManager:
         for i in range(max_blocks):
             block_id = self.cached.get(hashes[i])
             # Compare the tokens too: a hash collision must never serve another prompt's KV.
-            if block_id is None or self.block_tokens[block_id] != tuple(tokens[i * bs:(i + 1) * bs]):
+            if block_id is None or self.block_tokens[block_id] != _key(request, tokens[i * bs:(i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits, len(hits) * bs
@@ -104,7 +111,7 @@ class BlockManager:
                 block_id = request.block_ids[i]
                 self.cached[h] = block_id
                 self.block_hash[block_id] = h
-                self.block_tokens[block_id] = tuple(tokens[i * bs:(i + 1) * bs])
+                self.block_tokens[block_id] = _key(request, tokens[i * bs:(i + 1) * bs])
         request.num_cached_blocks = num_full
 
     # ---- allocation -------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 
 from ..ipc.messages import AddRequest, EngineOutputs
 from ..logger import init_logger
@@ -137,6 +137,7 @@ class EngineClient:
 
     async def generate(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], sampling_params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of one request (see the module docstring for the contract)."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
@@ -149,7 +150,7 @@ class EngineClient:
         try:
             self.connection.add_request(AddRequest(
                 request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids,
-                sampling_params=sampling_params, stream=True,
+                sampling_params=sampling_params, stream=True, lora_request=lora_request,
             ))
         except BaseException:  # refused (overloaded) or failed: nothing of it stays behind
             with self._lock:

@@ -69,7 +69,7 @@ class EngineCore:
 
     def _add_request(self, req: AddRequest) -> None:
         self.engine.add_request(req.request_id, req.prompt, req.prompt_token_ids, req.sampling_params,
-                                stream=req.stream)
+                                stream=req.stream, lora_request=req.lora_request)
 
     def _add(self, req: AddRequest, errors: list[RequestError]) -> None:
         try:

@@ -12,11 +12,12 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
 
 from ..config import LoomConfig
 from ..logger import init_logger
+from ..lora.peft import check_adapter
 from ..outputs import RequestOutput
 from ..stats import EngineStats
 from .block_manager import BlockManager
@@ -41,9 +42,13 @@ class LLMEngine:
         self.block_manager = BlockManager(
             executor.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
+        lora = config.lora_config
         self.scheduler = Scheduler(
-            config.scheduler_config, cache_config, self.max_model_len, self.block_manager
+            config.scheduler_config, cache_config, self.max_model_len, self.block_manager,
+            max_loras=lora.max_loras if lora.enable_lora else 0,
         )
+        self.lora_requests: dict[int, LoRARequest] = {}
+        """Every adapter a request brought, by id (an id names one adapter for the engine's life)."""
         self.output_processor = OutputProcessor(tokenizer, self._stop_request)
         self.eos_token_id = self._find_eos_token_id()
         self._arrival = itertools.count()
@@ -73,15 +78,19 @@ class LLMEngine:
         sampling_params: SamplingParams,
         *,
         stream: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; ``n > 1`` fans out into children ``f"{request_id}_{i}"``."""
+        """Queue a request; ``n > 1`` fans out into children ``f"{request_id}_{i}"``. With
+        ``lora_request`` it runs with that adapter (checked here, the first time its id is seen)."""
         self._validate(request_id, prompt_token_ids, sampling_params)
+        if lora_request is not None:
+            self._check_lora(lora_request)
         n = sampling_params.n
         if any(c in self.scheduler.requests for c in self.output_processor.child_ids(request_id, n)):
             raise ValueError(f"request id {request_id!r} collides with a running request's id")
         children = self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, sampling_params, stream=stream, arrival=self._arrival,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=self.eos_token_id, lora_request=lora_request,
         )
         try:
             for child in children:
@@ -125,6 +134,21 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs without one")
+
+    def _check_lora(self, request: LoRARequest) -> None:
+        lora = self.config.lora_config
+        if not lora.enable_lora:
+            raise ValueError(f"request names LoRA adapter {request.lora_name!r} but LoRA is off; start the engine "
+                             "with --enable-lora (enable_lora=True)")
+        known = self.lora_requests.get(request.lora_int_id)
+        if known is not None:
+            if known != request:
+                raise ValueError(f"LoRA id {request.lora_int_id} already names adapter {known.lora_name!r} at "
+                                 f"{known.lora_path}; give {request.lora_name!r} at {request.lora_path} another id")
+            return
+        check_adapter(request.lora_path, self.config.model_config.hf_config, lora.max_lora_rank,
+                      name=request.lora_name)
+        self.lora_requests[request.lora_int_id] = request
 
     def abort_request(self, request_ids: str | Iterable[str], invalidate_cache: bool = False) -> None:
         """Stop requests (by the ids given to add_request); no output is produced for them."""

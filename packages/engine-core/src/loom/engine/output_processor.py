@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from .detokenizer import IncrementalDetokenizer, decode_final
@@ -68,7 +68,7 @@ class OutputProcessor:
 
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, *,
-        stream: bool, arrival: Iterator[int], eos_token_id: int | None,
+        stream: bool, arrival: Iterator[int], eos_token_id: int | None, lora_request: LoRARequest | None = None,
     ) -> list[Request]:
         """The request's children (``n > 1`` fans out into ``f"{request_id}_{i}"``), registered here."""
         n = params.n
@@ -82,7 +82,7 @@ class OutputProcessor:
                 child_params = dataclasses.replace(params, n=1, seed=seed)
             children.append(Request(
                 child_id, prompt, prompt_token_ids, child_params, next(arrival),
-                eos_token_id=eos_token_id, parent_id=request_id, index=i,
+                eos_token_id=eos_token_id, parent_id=request_id, index=i, lora_request=lora_request,
             ))
         # Requests with neither stop strings nor streaming decode once, at the end.
         incremental = self.tokenizer is not None and (stream or bool(params.stop))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 from loom_plugin_api.step import PromptLogprobs, SampledLogprobs
 
 
@@ -40,7 +40,7 @@ class Request:
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "arrival", "eos_token_id",
         "parent_id", "index", "status", "all_token_ids", "output_token_ids", "max_tokens",
         "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
-        "logprobs", "cumulative_logprob", "stop_reason", "prompt_logprobs",
+        "logprobs", "cumulative_logprob", "stop_reason", "prompt_logprobs", "lora_request", "lora_id",
     )
 
     def __init__(
@@ -53,6 +53,7 @@ class Request:
         eos_token_id: int | None = None,
         parent_id: str | None = None,
         index: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -83,6 +84,10 @@ class Request:
         self.stop_reason: int | str | None = None
         self.prompt_logprobs: list[PromptLogprobs] = []
         """Prompt logprobs as the prefill chunks computed them, in prompt order."""
+        self.lora_request = lora_request
+        self.lora_id = 0 if lora_request is None else lora_request.lora_int_id
+        """The adapter's id, 0 for the base model: the scheduler counts adapters by it, the
+        prefix cache keys blocks by it."""
 
     @property
     def num_prompt_tokens(self) -> int:

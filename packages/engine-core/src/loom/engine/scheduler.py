@@ -7,6 +7,10 @@ Prefill and decode share one step. When blocks run out, the most recently arrive
 running request is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed from scratch (prompt and generated tokens alike).
 
+With LoRA, a step holds at most ``max_loras`` distinct adapters: a waiting request whose
+adapter would be one too many is passed over (it keeps its place at the head of the queue)
+until a running request of another adapter ends; requests behind it may start meanwhile.
+
 When a model step of several requests fails, one of them may have caused it (parameters
 that validation let through, a kernel bug met by one input): :meth:`Scheduler.isolate`
 preempts every running request and marks the failed step's ones as suspects. Each suspect
@@ -41,7 +45,10 @@ class Scheduler:
         cache_config: CacheConfig,
         max_model_len: int,
         block_manager: BlockManager,
+        max_loras: int = 0,
     ) -> None:
+        self.max_loras = max_loras
+        """Distinct adapters a step may hold (0: LoRA is off)."""
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
@@ -151,8 +158,13 @@ class Scheduler:
 
         # New work waits while requests are being preempted: admitting it would only take
         # the blocks the preempted ones need back.
+        loras = {r.lora_id for r in running if r.lora_id}
+        passed_over: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
+                passed_over.append(self.waiting.popleft())  # one adapter too many for this step
+                continue
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached
             if num_new > budget:
@@ -165,6 +177,9 @@ class Scheduler:
             new_requests.append(self._admit(req, num_cached))
             scheduled.append(self._schedule(req, num_new))
             budget -= num_new
+            if req.lora_id:
+                loras.add(req.lora_id)
+        self.waiting.extendleft(reversed(passed_over))
 
         finished, self.finished_req_ids = self.finished_req_ids, []
         return SchedulerOutput(new_requests=new_requests, scheduled=scheduled, finished_req_ids=finished)
@@ -179,7 +194,7 @@ class Scheduler:
         # Sent again after a preemption: the workers start the request over.
         return NewRequestData(
             req_id=req.request_id, sampling_params=req.sampling_params, prompt_len=req.num_prompt_tokens,
-            prompt_token_ids=req.prompt_token_ids, eos_token_id=req.eos_token_id,
+            prompt_token_ids=req.prompt_token_ids, eos_token_id=req.eos_token_id, lora_request=req.lora_request,
         )
 
     def _schedule_alone(self) -> SchedulerOutput:
@@ -246,6 +261,7 @@ class Scheduler:
             block_ids=req.block_ids,
             sample=end == req.num_tokens,
             num_output_tokens=req.num_output_tokens,
+            lora_id=req.lora_id,
         )
 
     def update_from_output(

@@ -32,6 +32,7 @@ from ..platforms import current_platform  # noqa: F401 - importing it resolves t
 from ..transformers_utils.tokenizer import get_tokenizer
 from .openai import build_app, serve_http
 from .openai.limits import RequestLimits
+from .openai.serving_models import parse_lora_module
 
 logger = init_logger("loom.frontend")
 
@@ -70,7 +71,8 @@ async def _serve(config: LoomConfig, tokenizer: Any, channel: Channel, server: S
     client.stream_interval = server.stream_interval
     limits = RequestLimits(max_n=server.max_n, max_request_body_bytes=server.max_request_body_bytes)
     app = build_app(client, config.model_config.served_model_name, api_key=server.api_key,
-                    chat_template=server.chat_template, limits=limits)
+                    chat_template=server.chat_template, limits=limits,
+                    lora_modules=[parse_lora_module(m) for m in server.lora_modules])
     cut = 0
 
     def end_the_rest() -> None:

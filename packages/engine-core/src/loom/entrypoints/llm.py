@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 from tqdm import tqdm
 
 from .. import envs
@@ -100,8 +100,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order."""
+        """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order.
+
+        ``lora_request``: the adapter every prompt runs with, or one per prompt (None: the base
+        model); the engine needs ``enable_lora=True``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -115,10 +119,17 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; pass one or one per prompt")
         requests = [self._to_request(p) for p in prompts]  # validate all before adding any
         ids = [str(next(self._ids)) for _ in requests]
-        adds = [AddRequest(request_id=i, prompt=text, prompt_token_ids=token_ids, sampling_params=params, stream=False)
-                for i, (text, token_ids), params in zip(ids, requests, params_list)]
+        adds = [AddRequest(request_id=i, prompt=text, prompt_token_ids=token_ids, sampling_params=params, stream=False,
+                           lora_request=lora)
+                for i, (text, token_ids), params, lora in zip(ids, requests, params_list, loras)]
         core = self.engine_core
         try:
             core.apply(adds, raise_errors=True)
@@ -154,6 +165,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the tokenizer's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -168,4 +180,4 @@ class LLM:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

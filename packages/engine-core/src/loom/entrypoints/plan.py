@@ -11,8 +11,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from ..config import LoomConfig
 from ..config.server import ServerConfig
 from ..engine.arg_utils import EngineArgs
+from ..lora.peft import check_adapter
 from .chat_utils import load_chat_template
 
 if TYPE_CHECKING:
@@ -34,11 +36,21 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     # The template text, read and checked once here (before the model loads): the front end takes it as is.
     server.chat_template = load_chat_template(server.chat_template)
     config = EngineArgs.from_cli_args(args).create_engine_config()
+    _check_lora_modules(server, config)
     try:
         from ..engine.launch import build_plan  # lazy: loom_supervisor is an optional wheel
     except ImportError as e:
         raise ImportError(f"loom serve needs the supervisor: pip install ./supervisor-rs (loom-supervisor); {e}") from None
     return build_plan(config, server)
+
+
+def _check_lora_modules(server: ServerConfig, config: LoomConfig) -> None:
+    """``--lora-modules``: each adapter checked against the model before anything starts."""
+    if server.lora_modules and not config.lora_config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for module in server.lora_modules:
+        name, _, path = module.partition("=")
+        check_adapter(path.strip(), config.model_config.hf_config, config.lora_config.max_lora_rank, name=name.strip())
 
 
 def main(argv: list[str] | None = None) -> int:

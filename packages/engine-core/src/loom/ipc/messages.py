@@ -29,14 +29,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
 
 from ..outputs import RequestOutput
 from ..stats import EngineStats
 from .codec import decode, encode
 
-MESSAGES_VERSION = 3  # 3: CacheReady, Shutdown; one kind per struct
+MESSAGES_VERSION = 4  # 4: LoRA requests (AddRequest.lora_request, the step types' adapters)
 
 
 class Kind(str, enum.Enum):
@@ -64,6 +64,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = True
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True, kw_only=True)

@@ -71,6 +71,9 @@ class LinearBase(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.has_bias = bias
+        self.lora: nn.Module | None = None
+        """The layer's LoRA slots (``loom.lora.layers.LoRASlots``) when adapters are served: called
+        ``lora(x, y)`` on this rank's input and output before any all-reduce or gather."""
 
     def _make_params(self, out_features: int, in_features: int, bias_features: int | None) -> None:
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.params_dtype),
@@ -102,7 +105,10 @@ class ReplicatedLinear(LinearBase):
             _copy_checked(param.data, loaded_weight, self.prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)  # (T, out)
+        out = linear(x, self.weight, self.bias)  # (T, out)
+        if self.lora is not None:
+            out = self.lora(x, out)
+        return out
 
 
 class ColumnParallelLinear(LinearBase):
@@ -122,6 +128,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear(x, self.weight, self.bias)  # (T, out / tp)
+        if self.lora is not None:
+            out = self.lora(x, out)
         if self.gather_output:
             out = tensor_model_parallel_all_gather(out, dim=-1)  # (T, out)
         return out
@@ -231,6 +239,8 @@ class RowParallelLinear(LinearBase):
         # Only rank 0 adds the bias, so the sum over ranks holds it once.
         bias = self.bias if self.tp_rank == 0 else None
         out = linear(x, self.weight, bias)  # (T, out), this rank's partial sum
+        if self.lora is not None:  # its partial product too: B @ (sum over ranks of A_r x_r)
+            out = self.lora(x, out)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from loom_plugin_api import WorkerServices
+from loom_plugin_api import WorkerServices, set_current_config
 from loom_plugin_api.sampling_params import SamplingParams
 from loom_plugin_api.step import ModelInput, PromptLogprobs, ScheduledRequest, SchedulerOutput
 
@@ -17,6 +17,7 @@ from ..config import LoomConfig
 from ..distributed.parallel_state import init_distributed_environment
 from ..layers.attention import Attention
 from ..layers.sampler import Sampler, SamplingMetadata
+from ..lora.manager import LoRAModelManager
 from ..model_loader.base import get_model
 from . import input_batch, prompt_logprobs
 
@@ -24,6 +25,10 @@ __all__ = ["EngineWorkerServices"]
 
 
 class EngineWorkerServices(WorkerServices):
+    def __init__(self) -> None:
+        self.lora: LoRAModelManager | None = None
+        """The adapters of the model ``build_model`` built, when the config enables LoRA."""
+
     def init_distributed(self, config: LoomConfig, rank: int, distributed_init_method: str | None,
                          device: torch.device) -> None:
         # gloo takes no device to bind; backends of devices with their own memory do.
@@ -32,13 +37,20 @@ class EngineWorkerServices(WorkerServices):
                                      platforms.current_platform.dist_backend, bind)
 
     def build_model(self, config: LoomConfig, device: torch.device) -> nn.Module:
-        return get_model(config, device)
+        model = get_model(config, device)
+        if config.lora_config.enable_lora:
+            with set_current_config(config):  # the LoRA ops follow custom_ops like the model's
+                self.lora = LoRAModelManager(model, config, device)
+        return model
 
     def attention_layers(self, model: nn.Module) -> list[nn.Module]:
         return [m for m in model.modules() if isinstance(m, Attention)]
 
     def prepare_inputs(self, step: SchedulerOutput, block_size: int, device: torch.device) -> ModelInput:
-        return input_batch.prepare_inputs(step, block_size, device)
+        inputs = input_batch.prepare_inputs(step, block_size, device)
+        if self.lora is not None:
+            inputs.lora_mapping = self.lora.prepare(step)
+        return inputs
 
     def new_sampler(self) -> Callable[..., Any]:
         return Sampler()

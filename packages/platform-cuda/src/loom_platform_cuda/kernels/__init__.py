@@ -12,11 +12,13 @@ from .activation import silu_and_mul
 from .attention import paged_attention, paged_attention_decode, paged_attention_prefill
 from .cache import reshape_and_cache
 from .layernorm import rms_norm
+from .lora import lora
 from .quantized_linear import PackedQuantizedWeight, prepare_quantized_linear, quantized_linear
 from .rotary import rotary_embedding
 
 __all__ = [
     "PackedQuantizedWeight",
+    "lora",
     "paged_attention",
     "paged_attention_decode",
     "paged_attention_prefill",

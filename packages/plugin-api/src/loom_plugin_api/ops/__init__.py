@@ -22,10 +22,14 @@ op name             class                     constructor -> forward
 ``quantized_linear``  ``QuantizedLinear``     ``(weight: QuantizedWeight, dtype)`` ->
                                               ``forward(x, bias=None)``:
                                               ``x @ weight.dequantize().T + bias``
+``lora``            ``BatchedLoRA``           ``()`` -> ``forward(y, x, lora_a, lora_b, mapping)``:
+                                              ``y[t] += x[t] @ lora_a[s].T @ lora_b[s].T`` for the
+                                              rows ``t`` of each adapter slot ``s`` in ``mapping``
 ==================  ========================  ==================================================
 
 ``QuantizedWeight`` is the vendor-neutral form of group-wise quantized weights (codes, scales,
 zeros); a ``quantized_linear`` kernel may pack it once through its ``prepare`` attribute.
+``LoRAMapping`` gives each row of a step its adapter slot (``LoRAMapping.from_token_slots``).
 
 ``LinearScalingRotaryEmbedding`` and ``Llama3RotaryEmbedding`` subclass
 ``RotaryEmbedding`` (``get_rope`` picks one from an HF ``rope_scaling`` dict); they are
@@ -41,9 +45,11 @@ from typing import Any
 
 __all__ = [
     "REPLACEABLE_OPS",
+    "BatchedLoRA",
     "LayerNorm",
     "Llama3RotaryEmbedding",
     "LinearScalingRotaryEmbedding",
+    "LoRAMapping",
     "QuantizedLinear",
     "QuantizedWeight",
     "RMSNorm",
@@ -58,6 +64,7 @@ REPLACEABLE_OPS: dict[str, str] = {
     "rotary_embedding": "RotaryEmbedding",
     "silu_and_mul": "SiluAndMul",
     "quantized_linear": "QuantizedLinear",
+    "lora": "BatchedLoRA",
 }
 """Op name (what ``custom_ops`` switches and ``register_kernel`` keys) -> class name
 (what ``register_oot`` keys)."""
@@ -72,6 +79,8 @@ _LAZY = {
     "SiluAndMul": "activation",
     "QuantizedLinear": "quantized_linear",
     "QuantizedWeight": "quantized_linear",
+    "BatchedLoRA": "lora",
+    "LoRAMapping": "lora",
 }
 
 

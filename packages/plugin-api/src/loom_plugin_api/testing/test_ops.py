@@ -84,19 +84,44 @@ def _quantized_linear(dtype: torch.dtype, device: str, g: torch.Generator) -> li
     return cases
 
 
+def _lora(dtype: torch.dtype, device: str, g: torch.Generator) -> list[tuple[Any, tuple[Any, ...]]]:
+    """Adapters of ranks 8 and 16 (zero-padded: a slot's unused rank rows are zeros) in 4 slots; rows
+    with no adapter, every row on one slot, and a mix of slots in any order."""
+    cases = []
+    op = ops.BatchedLoRA()
+    for slots, rank, in_features, out_features in ((4, 16, 64, 96), (4, 8, 128, 48), (2, 48, 96, 160)):
+        a = (torch.randn(slots, rank, in_features, generator=g) / in_features**0.5)
+        b = torch.randn(slots, out_features, rank, generator=g) / rank**0.5
+        a[1, rank // 2:] = 0  # slot 1 holds a lower-rank adapter
+        b[1, :, rank // 2:] = 0
+        for t in NUM_TOKENS:
+            x = torch.randn(t, in_features, generator=g).to(dtype)
+            y = torch.randn(t, out_features, generator=g).to(dtype)
+            mixed = torch.randint(-1, slots, (t,), generator=g)
+            for token_slots in (mixed, torch.full((t,), slots - 1), torch.full((t,), -1)):
+                mapping = ops.LoRAMapping.from_token_slots(token_slots.to(device))
+                cases.append((op, (y, x, a.to(dtype), b.to(dtype), mapping)))
+    return cases
+
+
 CASES: dict[str, Callable[[torch.dtype, str, torch.Generator], list[tuple[Any, tuple[Any, ...]]]]] = {
     "rms_norm": _rms_norm,
     "layer_norm": _layer_norm,
     "rotary_embedding": _rotary,
     "silu_and_mul": _silu_and_mul,
     "quantized_linear": _quantized_linear,
+    "lora": _lora,
 }
-TOLERANCES = {"quantized_linear": MATMUL}
+TOLERANCES = {"quantized_linear": MATMUL, "lora": MATMUL}
 """Ops checked with other than ``ELEMENTWISE`` tolerances."""
 
 
 def _outputs(out: Any) -> tuple[torch.Tensor, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _clone(a: Any) -> Any:
+    return a.clone() if isinstance(a, torch.Tensor) else a
 
 
 def _check(
@@ -107,12 +132,12 @@ def _check(
     for i, (op, args) in enumerate(CASES[op_name](torch_dtype(dtype_name), device, g)):
         op = op.to(device)
         args = tuple(a.to(device) for a in args)
-        # Clones: a kernel may work in place (the rotary one does).
-        expected = _outputs(in_tree.forward_native(op, *(a.clone() for a in args)))
-        actual = _outputs(run(op, tuple(a.clone() for a in args)))
+        # Clones: a kernel may work in place (the rotary and lora ones do).
+        expected = _outputs(in_tree.forward_native(op, *map(_clone, args)))
+        actual = _outputs(run(op, tuple(map(_clone, args))))
         if len(actual) != len(expected):
             pytest.fail(f"{what} returned {len(actual)} tensors, forward_native returns {len(expected)}")
-        shapes = ", ".join(str(tuple(a.shape)) for a in args)
+        shapes = ", ".join(str(tuple(a.shape)) if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
         for j, (a, e) in enumerate(zip(actual, expected)):
             if a.dtype != e.dtype:
                 pytest.fail(

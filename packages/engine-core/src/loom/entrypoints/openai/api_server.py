@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from loom_plugin_api import ENDPOINT_PLUGINS_GROUP, PluginError, load_plugins_strict
 from pydantic import BaseModel
 from starlette.datastructures import Headers
@@ -37,12 +37,14 @@ from .protocol import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import APIError, TokenizerThread
+from .serving_models import LoRAModulePath, OpenAIServingModels
 
 logger = init_logger(__name__)
 
@@ -57,18 +59,23 @@ def build_app(
     chat_template: str | None = None,
     endpoint_plugins: Mapping[str, Callable[[FastAPI], None]] | None = None,
     limits: RequestLimits | None = None,
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> FastAPI:
-    """The server's app. ``endpoint_plugins=None`` loads the ``loom.endpoint_plugins`` group."""
+    """The server's app. ``endpoint_plugins=None`` loads the ``loom.endpoint_plugins`` group;
+    ``lora_modules`` are the adapters served from the start (each checked: a broken one is a ValueError)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name is empty; give at least one name")
     limits = limits or RequestLimits()
     metrics = ServerMetrics(names[0])
     tokenizer_thread = TokenizerThread(engine_client.tokenizer)  # one for both endpoints
+    model = engine_client.config.model_config.model
+    models = OpenAIServingModels(engine_client.config, names, {model} - {None} - set(names))
+    models.add_startup_adapters(lora_modules)
     completion = OpenAIServingCompletion(engine_client, names, metrics, limits=limits,
-                                         tokenizer_thread=tokenizer_thread)
+                                         tokenizer_thread=tokenizer_thread, models=models)
     chat = OpenAIServingChat(engine_client, names, metrics, chat_template, limits=limits,
-                             tokenizer_thread=tokenizer_thread)
+                             tokenizer_thread=tokenizer_thread, models=models)
     app = FastAPI(title="loom", version=__version__)
     app.state.engine_client = engine_client
     app.state.metrics = metrics
@@ -86,10 +93,11 @@ def build_app(
 
     @app.get("/v1/models", responses=_responses({401: "the API key is missing or wrong"}))
     async def show_models() -> ModelList:
-        config = engine_client.config.model_config
-        # root is the served name: the model's path on the server's disk is not the client's business
-        return ModelList(data=[ModelCard(id=name, root=names[0], max_model_len=config.max_model_len)
-                               for name in names])
+        # root is the served name: the model's (and an adapter's) path on the server's disk is not the client's
+        return ModelList(data=models.model_cards())
+
+    if models.runtime_updates:
+        _add_lora_routes(app, models)
 
     health_errors = _responses({503: "a process of the serve is dead or not responding, or the engine is starting"})
 
@@ -133,6 +141,22 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, limit=limits.max_request_body_bytes)
     apply_endpoint_plugins(app, endpoint_plugins)
     return app
+
+
+def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    """Loading and unloading adapters while serving (``LOOM_ALLOW_RUNTIME_LORA_UPDATING=1``)."""
+    errors = _responses({400: "the adapter is broken, already loaded, or the server runs without --enable-lora",
+                         401: "the API key is missing or wrong", 404: "no adapter of that name is loaded"})
+
+    @app.post("/v1/load_lora_adapter", responses=errors, response_class=PlainTextResponse)
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        await models.load_lora_adapter(request.lora_name, request.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", responses=errors, response_class=PlainTextResponse)
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        models.unload_lora_adapter(request.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
 
 def apply_endpoint_plugins(app: FastAPI, plugins: Mapping[str, Callable[[FastAPI], None]] | None = None) -> None:

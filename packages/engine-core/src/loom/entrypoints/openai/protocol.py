@@ -237,7 +237,18 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "loom"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model; None for the base model itself."""
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class ModelList(BaseModel):

@@ -51,6 +51,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> ChatCompletionResponse | SSEResponse:
         model_name = self.check_request(request)
+        lora = await self.models.lora_for(request.model)
         if request.tools and request.tool_choice != "none":
             raise APIError("tool calling is not supported by loom", param="tools")
         if request.response_format and request.response_format.get("type", "text") != "text":
@@ -68,7 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, top_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        merged = await prefetch(merge_async_iterators([self.generate(request_id, prompt, prompt_ids, params)]))
+        merged = await prefetch(merge_async_iterators([self.generate(request_id, prompt, prompt_ids, params, lora)]))
         n = request.n
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage

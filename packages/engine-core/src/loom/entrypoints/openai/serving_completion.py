@@ -57,6 +57,7 @@ class _Echo:
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | SSEResponse:
         model_name = self.check_request(request)
+        lora = await self.models.lora_for(request.model)
         if request.suffix:
             raise APIError("suffix is not supported by loom", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
@@ -82,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                request.logprobs if request.echo else None))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         merged = merge_async_iterators([
-            self.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}", text, ids, p)
+            self.generate(request_id if len(prompts) == 1 else f"{request_id}-{i}", text, ids, p, lora)
             for i, ((text, ids), p) in enumerate(zip(prompts, params))
         ])
         merged = await prefetch(merged)  # an engine-side rejection is still an HTTP error here

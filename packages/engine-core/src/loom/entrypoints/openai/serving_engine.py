@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi.responses import JSONResponse
-from loom_plugin_api import SamplingParams
+from loom_plugin_api import LoRARequest, SamplingParams
 
 from ...engine.client import EngineClient
 from ...engine.errors import EngineDeadError, EngineError, EngineOverloadedError, ShuttingDownError
@@ -105,10 +105,16 @@ class TokenizerThread:
         return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args, **kwargs))
 
 
+def _serving_models() -> Any:
+    from . import serving_models  # not at the top: serving_models imports APIError from here
+
+    return serving_models
+
+
 class OpenAIServing:
     def __init__(self, engine_client: EngineClient, served_model_names: Sequence[str],
                  metrics: ServerMetrics | None = None, *, limits: RequestLimits | None = None,
-                 tokenizer_thread: TokenizerThread | None = None) -> None:
+                 tokenizer_thread: TokenizerThread | None = None, models: Any = None) -> None:
         self.engine_client = engine_client
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
@@ -119,6 +125,8 @@ class OpenAIServing:
         self.model_aliases = {model_config.model} - {None} - set(self.served_model_names)
         """The model as given to ``loom serve`` (often a path): accepted in a request's ``model``, never
         shown, so clients written against the path keep working when the served name is the model's own."""
+        self.models = models or _serving_models().OpenAIServingModels(engine_client.config, self.served_model_names, self.model_aliases)
+        """The base model's names and the LoRA adapters (shared by every endpoint of an app)."""
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         longest = self.tokenizer_thread.longest_token
@@ -147,9 +155,7 @@ class OpenAIServing:
         """Model name, engine health and fields loom cannot honour; returns the model name to answer with."""
         if request.model in self.model_aliases:
             request.model = None  # answered with the served name
-        if request.model is not None and request.model not in self.served_model_names:
-            raise APIError(f"The model `{request.model}` does not exist. Served: {', '.join(self.served_model_names)}",
-                           status=404, param="model", code="model_not_found")
+        self.models.check_known(request.model)
         dead = self.engine_client.dead_error
         if dead is not None:
             raise APIError(dead, status=503, type="engine_dead_error")
@@ -244,7 +250,7 @@ class OpenAIServing:
 
     # ---- the engine stream --------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """``engine_client.generate`` plus the request's metrics, observed when it ends (any way)."""
         start = time.monotonic()
         first_token: float | None = None
@@ -252,7 +258,8 @@ class OpenAIServing:
         reasons: dict[int, str] = {}
         accepted = True
         try:
-            async with aclosing(self.engine_client.generate(request_id, prompt, prompt_token_ids, params)) as stream:
+            async with aclosing(self.engine_client.generate(request_id, prompt, prompt_token_ids, params,
+                                                            lora_request=lora_request)) as stream:
                 async for out in stream:
                     for c in out.outputs:
                         if c.token_ids and first_token is None:
