@@ -178,3 +178,40 @@ def test_loom_serve_refuses_bad_lora_modules_before_starting(tiny_llama, tmp_pat
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert "loom-supervisor" not in proc.stderr  # nothing was spawned
+
+
+def test_an_adapter_a_worker_cannot_load_fails_its_requests_and_is_refused_after(tiny_llama, adapters, tmp_path):
+    """An adapter whose files change after it was first loaded: the reload (after an eviction)
+    fails that request alone, and the engine refuses its id from then on, with the reason."""
+    a, b = adapters["llama"]
+    moving = tmp_path / "moving"
+    shutil.copytree(a, moving)
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8,
+              max_cpu_loras=1)
+    rm, rb = LoRARequest("moving", 1, str(moving)), LoRARequest("b", 2, str(b))
+    llm.generate("hi", GREEDY, lora_request=rm)
+    llm.generate("hi", GREEDY, lora_request=rb)  # evicts "moving" from the worker
+    config = moving / "adapter_config.json"
+    config.write_text(config.read_text() + " ")  # another version under the same id
+    with pytest.raises(Exception, match="changed since it was first loaded"):
+        llm.generate("hi", GREEDY, lora_request=rm)
+    with pytest.raises(ValueError, match="cannot be loaded.*load it under a new name"):
+        llm.generate("hi", GREEDY, lora_request=rm)
+    assert len(llm.generate(["hi", "ho"], GREEDY, lora_request=[rb, None])) == 2  # the rest goes on
+    llm.shutdown()
+
+
+def test_a_runner_that_drops_the_adapters_is_an_error_not_base_tokens(tiny_llama, adapters, monkeypatch):
+    from loom_plugin_api import ModelRunner, set_forward_context
+
+    def run_model_without_lora(self, inputs):  # a platform runner written before LoRA existed
+        with set_forward_context(inputs.attn_metadata):
+            return self.model(inputs.input_ids, inputs.positions)
+
+    monkeypatch.setattr(ModelRunner, "run_model", run_model_without_lora)
+    a, _ = adapters["llama"]
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=128, enable_lora=True, max_lora_rank=8)
+    assert len(llm.generate("hi", GREEDY)) == 1  # no adapter in the step: fine
+    with pytest.raises(Exception, match="must pass ModelInput.lora_mapping to set_forward_context"):
+        llm.generate("hi", GREEDY, lora_request=LoRARequest("a", 1, str(a)))
+    llm.shutdown()

@@ -70,7 +70,27 @@ def adapter_dir(tmp_path_factory) -> Path:
         {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "c_fc"]}))
     make_adapter(root / "nofile")
     (root / "nofile" / "adapter_model.safetensors").unlink()
+    make_adapter(root / "truncated")
+    weights = root / "truncated" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    make_adapter(root / "ints")
+    _rewrite_header(root / "ints", lambda entry: {**entry, "dtype": "I32"})
+    make_adapter(root / "elsewhere")
+    _rewrite_header(root / "elsewhere", None, rename=lambda key: key.replace("model.model.layers", "model.layers"))
     return root
+
+
+def _rewrite_header(path: Path, edit, rename=lambda key: key) -> None:
+    """Change the entries (or names) of an adapter's safetensors header, keeping the data."""
+    import struct
+
+    weights = path / "adapter_model.safetensors"
+    raw = weights.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    header = {rename(k): (v if edit is None or k == "__metadata__" else edit(v)) for k, v in header.items()}
+    text = json.dumps(header).encode()
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + size:])
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +199,9 @@ def test_load_serve_unload_at_runtime(server, client, adapter_dir, expected):
     ("wide", ["target module 'c_fc' is not one the model has"]),
     ("nofile", ["adapter_model.safetensors is missing"]),
     ("absent", ["is not a directory"]),
+    ("truncated", ["a truncated or damaged file"]),
+    ("ints", ["is I32; adapters hold F32, F16 or BF16 weights"]),
+    ("elsewhere", ["names module 'layers.0.", "which is not where this model has its"]),
 ])
 def test_a_broken_adapter_is_a_400_naming_the_problem(server, client, adapter_dir, expected, name, words):
     _error(post(server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter_dir / name)}),

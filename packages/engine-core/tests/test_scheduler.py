@@ -606,3 +606,30 @@ def test_a_step_never_holds_more_than_max_loras_adapters():
     first = outputs[0]
     assert [n.req_id for n in first.new_requests][:3] == ["r0", "r1", "r3"]
     assert "r2" in started_before
+
+
+def test_a_passed_over_adapter_request_is_not_starved_by_a_running_adapters_stream():
+    """One slot: adapter 1 keeps getting requests while adapter 2's waits. Adapter 1's later
+    requests queue behind it (base-model requests do not), so it starts once the earlier ones end."""
+    sched = make_scheduler(budget=256, max_num_seqs=64)
+    sched.max_loras = 1
+
+    def req(i: int, lid: int, max_tokens: int = 4) -> Request:
+        r = make_request(f"r{i}", [5, 6, 7], max_tokens=max_tokens)
+        if lid:
+            r.lora_request, r.lora_id = LoRARequest(f"a{lid}", lid, f"/a{lid}"), lid
+        return r
+
+    sched.add_request(req(0, 1, max_tokens=20))  # adapter 1 holds the slot for 20 steps
+    sched.add_request(req(1, 2))
+    started: list[str] = []
+    for step in range(40):
+        if step < 30:  # a steady stream of adapter 1's requests, and one base request
+            sched.add_request(req(100 + step, 0 if step == 5 else 1))
+        out = sched.schedule()
+        started += [n.req_id for n in out.new_requests]
+        assert len({r.lora_id for r in out.scheduled} - {0}) <= 1
+        sched.update_from_output(out, fake_model(sched, out))
+    assert "r1" in started
+    assert started.index("r1") < started.index("r101")  # adapter 1's later requests waited behind it
+    assert started.index("r105") < started.index("r1")  # the base-model request did not

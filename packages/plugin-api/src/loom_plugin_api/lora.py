@@ -14,7 +14,7 @@ what the process can use, typically when an environment variable configures it):
     class HubResolver(LoRAResolver):
         async def resolve_lora(self, base_model_name, lora_name):
             path = await download(lora_name)        # never block the event loop
-            return None if path is None else LoRARequest(lora_name, 0, path)
+            return None if path is None else LoRARequest(lora_name, 1, path)  # the server gives the id
 
     def register() -> None:                           # the plugin's entry point
         lora_resolver_registry.register_resolver("hub", HubResolver())

@@ -49,6 +49,8 @@ class LLMEngine:
         )
         self.lora_requests: dict[int, LoRARequest] = {}
         """Every adapter a request brought, by id (an id names one adapter for the engine's life)."""
+        self.broken_loras: dict[int, str] = {}
+        """Adapters a worker could not load, by id, with the error: refused from then on."""
         self.output_processor = OutputProcessor(tokenizer, self._stop_request)
         self.eos_token_id = self._find_eos_token_id()
         self._arrival = itertools.count()
@@ -135,11 +137,27 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine runs without one")
 
+    def _refuse_broken_loras(self, scheduler_output: SchedulerOutput, error: Exception) -> list[str]:
+        """A worker could not load the adapter of the request that failed alone: its id is refused
+        from now on, and every other request waiting for it ends now (each would fail its step)."""
+        if "cannot be loaded" not in str(error):
+            return []
+        requests = self.scheduler.requests
+        broken = {requests[r.req_id].lora_id for r in scheduler_output.scheduled if r.req_id in requests} - {0}
+        for lora_id in broken:
+            self.broken_loras[lora_id] = str(error)
+            logger.error("LoRA adapter id %d is refused from now on: %s", lora_id, error)
+        parents = (self.output_processor.parent_of(r.request_id) for r in requests.values() if r.lora_id in broken)
+        return [p for p in parents if p is not None]
+
     def _check_lora(self, request: LoRARequest) -> None:
         lora = self.config.lora_config
         if not lora.enable_lora:
             raise ValueError(f"request names LoRA adapter {request.lora_name!r} but LoRA is off; start the engine "
                              "with --enable-lora (enable_lora=True)")
+        broken = self.broken_loras.get(request.lora_int_id)
+        if broken is not None:
+            raise ValueError(f"{broken}; fix the adapter and load it under a new name")
         known = self.lora_requests.get(request.lora_int_id)
         if known is not None:
             if known != request:
@@ -195,6 +213,7 @@ class LLMEngine:
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
             # The request cannot go on (its KV is incomplete); end it so the engine keeps
             # serving everyone else. The message goes to its client: no other request in it.
+            failed = sorted({*failed, *self._refuse_broken_loras(scheduler_output, e)})
             self.abort_request(failed, invalidate_cache=True)
             logger.error("Model step failed for request(s) %s; aborted", failed)
             raise EngineStepError(f"model step failed ({type(e).__name__}: {e})", failed) from e

@@ -8,8 +8,10 @@ running request is preempted: its blocks are freed and it goes back to the front
 waiting queue, to be recomputed from scratch (prompt and generated tokens alike).
 
 With LoRA, a step holds at most ``max_loras`` distinct adapters: a waiting request whose
-adapter would be one too many is passed over (it keeps its place at the head of the queue)
-until a running request of another adapter ends; requests behind it may start meanwhile.
+adapter would be one too many is passed over (it keeps its place in the queue) until the running
+requests of some adapter have all ended. Behind it, base-model requests may start meanwhile, but
+no request with an adapter, not even one of an adapter already running: otherwise a steady stream
+of one adapter's requests would keep the passed-over one waiting for ever.
 
 When a model step of several requests fails, one of them may have caused it (parameters
 that validation let through, a kernel bug met by one input): :meth:`Scheduler.isolate`
@@ -162,8 +164,10 @@ class Scheduler:
         passed_over: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.lora_id and req.lora_id not in loras and len(loras) >= self.max_loras:
-                passed_over.append(self.waiting.popleft())  # one adapter too many for this step
+            if req.lora_id and (passed_over or req.lora_id not in loras and len(loras) >= self.max_loras):
+                # one adapter too many for this step; and behind a request passed over so, no adapter
+                # request starts (the running adapters' requests must drain for it to get its turn)
+                passed_over.append(self.waiting.popleft())
                 continue
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -48,9 +49,17 @@ def _check_lora_modules(server: ServerConfig, config: LoomConfig) -> None:
     """``--lora-modules``: each adapter checked against the model before anything starts."""
     if server.lora_modules and not config.lora_config.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    names: set[str] = set()
+    checked = []
     for module in server.lora_modules:
-        name, _, path = module.partition("=")
-        check_adapter(path.strip(), config.model_config.hf_config, config.lora_config.max_lora_rank, name=name.strip())
+        name, _, path = (part.strip() for part in module.partition("="))
+        if name in names or name == config.model_config.served_model_name:
+            raise ValueError(f"--lora-modules: the name {name!r} is taken (by another adapter or the base model)")
+        names.add(name)
+        path = os.path.abspath(path)  # the front end may run elsewhere (its own working directory)
+        check_adapter(path, config.model_config.hf_config, config.lora_config.max_lora_rank, name=name)
+        checked.append(f"{name}={path}")
+    server.lora_modules = checked
 
 
 def main(argv: list[str] | None = None) -> int:

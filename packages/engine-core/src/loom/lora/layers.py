@@ -31,7 +31,7 @@ from ..layers.linear import (
     RowParallelLinear,
 )
 
-__all__ = ["LoRASlots", "slices_of"]
+__all__ = ["LoRASlots", "StepAdapters", "slices_of"]
 
 
 def slices_of(layer: LinearBase) -> list[Any]:
@@ -53,12 +53,24 @@ def _full_dims(layer: LinearBase, shard_id: Any) -> tuple[int, int]:
     return layer.input_size, layer.output_size
 
 
+class StepAdapters:
+    """What the manager prepared for the running step, shared by every layer's slots: a runner
+    that drops the step's mapping (a platform's ``run_model`` that does not pass
+    ``inputs.lora_mapping`` to ``set_forward_context``) is an error, never the base model's tokens."""
+
+    __slots__ = ("mapping",)
+
+    def __init__(self) -> None:
+        self.mapping: Any = None
+
+
 class LoRASlots(nn.Module):
     """``max_loras`` adapter slots of one linear layer; ``forward(x, y)`` adds the step's adapters to ``y``."""
 
     def __init__(self, layer: LinearBase, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, state: StepAdapters | None = None) -> None:
         super().__init__()
+        self.state = state or StepAdapters()
         self.prefix = layer.prefix
         self.slices = slices_of(layer)
         self.max_rank = max_rank
@@ -78,6 +90,9 @@ class LoRASlots(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mapping = current_lora_mapping()
         if mapping is None:
+            if self.state.mapping is not None:
+                raise RuntimeError("this step has LoRA adapters, but the model ran without them: the platform's "
+                                   "runner must pass ModelInput.lora_mapping to set_forward_context")
             return y
         return self.op(y, x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, mapping)
 

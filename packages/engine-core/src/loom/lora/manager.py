@@ -26,15 +26,27 @@ from loom_plugin_api.step import SchedulerOutput
 from ..config import LoomConfig
 from ..layers.linear import LinearBase
 from ..logger import init_logger
-from .layers import LoRASlots
-from .peft import ADAPTER_WEIGHTS, check_adapter
+from .layers import LoRASlots, StepAdapters
+from .peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter
 
 logger = init_logger(__name__)
 
-__all__ = ["LoRAModelManager"]
+__all__ = ["LoRALoadError", "LoRAModelManager"]
 
 Adapter = dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]
 """Loom module name -> slice index -> this rank's (A, scaled B)."""
+
+
+class LoRALoadError(RuntimeError):
+    """A worker could not load an adapter a step needs; the message starts with ``LoRA adapter``."""
+
+
+def _stamp(path: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        st = os.stat(os.path.join(path, name))
+        out += [st.st_size, st.st_mtime_ns]
+    return tuple(out)
 
 
 class LoRAModelManager:
@@ -50,12 +62,15 @@ class LoRAModelManager:
         self.stacked = list(getattr(model, "stacked_params_mapping", []))
         self._rename = getattr(model, "_rename", lambda name: name)
         self.layers: dict[str, LoRASlots] = {}
+        self.state = StepAdapters()
         for name, module in model.named_modules():
             if isinstance(module, LinearBase) and ".layers." in f".{name}":
-                module.lora = LoRASlots(module, self.max_loras, self.max_rank, self.dtype, device)
+                module.lora = LoRASlots(module, self.max_loras, self.max_rank, self.dtype, device, self.state)
                 self.layers[name] = module.lora
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no linear layers in decoder layers for LoRA adapters")
+        self.stamps: dict[int, tuple[int, ...]] = {}
+        """Size and modification time of each adapter's files when first loaded, by id."""
         self.known: dict[int, LoRARequest] = {}
         """Every adapter a request brought, by id: where to load it from again after an eviction."""
         self.loaded: OrderedDict[int, Adapter] = OrderedDict()
@@ -80,19 +95,29 @@ class LoRAModelManager:
         raise ValueError(f"module {hf_module!r} of the adapter is not a linear layer of the model's decoder layers")
 
     def load(self, request: LoRARequest) -> Adapter:
-        """Read, check, shard and scale an adapter's weights (for this rank, in the model's dtype)."""
+        """Read, check, shard and scale an adapter's weights (for this rank, in the model's dtype).
+        Any failure is a :class:`LoRALoadError` naming the adapter (the engine then refuses its id)."""
+        try:
+            return self._load(request)
+        except Exception as e:
+            raise LoRALoadError(f"LoRA adapter {request.lora_name!r} (id {request.lora_int_id}) cannot be loaded: "
+                                f"{type(e).__name__}: {e}") from e
+
+    def _load(self, request: LoRARequest) -> Adapter:
         from safetensors.torch import load_file  # lazy: a worker without adapters never reads one
 
+        stamp = _stamp(request.lora_path)
+        first = self.stamps.setdefault(request.lora_int_id, stamp)
+        if stamp != first:
+            raise ValueError(f"its files at {request.lora_path} changed since it was first loaded (a reload would "
+                             "run other weights under the same id); load the new version under another name")
         info = check_adapter(request.lora_path, self.hf_config, self.max_rank, name=request.lora_name)
         tensors = load_file(os.path.join(info.path, ADAPTER_WEIGHTS))
         adapter: Adapter = {}
         for hf_module, (key_a, key_b) in info.modules.items():
             target, index = self._target(hf_module)
             a, b = tensors[key_a].float(), tensors[key_b].float() * info.scaling
-            try:
-                a, b = self.layers[target].shard(index, a, b)
-            except ValueError as e:
-                raise ValueError(f"LoRA adapter {request.lora_name!r}: {e}") from None
+            a, b = self.layers[target].shard(index, a, b)
             adapter.setdefault(target, {})[index] = (a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous())
         logger.info("Loaded LoRA adapter %r (id %d, rank %d, %d modules) from %s", request.lora_name,
                     request.lora_int_id, info.rank, len(info.modules), info.path)
@@ -139,14 +164,22 @@ class LoRAModelManager:
             if new.lora_request is not None:
                 self.known[new.lora_request.lora_int_id] = new.lora_request
         ids = [r.lora_id for r in step.scheduled]
+        self.state.mapping = None
         if not any(ids):
             return None
         active = {i for i in ids if i}
         slot_of = {i: self._slot_for(i, active) for i in sorted(active)}
         per_request = np.fromiter((slot_of.get(i, -1) for i in ids), dtype=np.int64, count=len(ids))
         counts = np.fromiter((len(r.token_ids) for r in step.scheduled), dtype=np.int64, count=len(ids))
-        token_slots = torch.from_numpy(np.repeat(per_request, counts)).to(self.device)
-        return LoRAMapping.from_token_slots(token_slots)
+        rows = np.repeat(per_request, counts)
+        # grouped here, on the host: the device never has to answer which slots a step uses
+        used = sorted(set(slot_of.values()))
+        if len(used) == 1 and bool((rows == used[0]).all()):
+            groups: tuple[tuple[int, torch.Tensor | None], ...] = ((used[0], None),)
+        else:
+            groups = tuple((s, torch.from_numpy(np.flatnonzero(rows == s)).to(self.device)) for s in used)
+        self.state.mapping = LoRAMapping(torch.from_numpy(rows).to(self.device), groups)
+        return self.state.mapping
 
     def stats(self) -> dict[str, Any]:
         return {"loaded": list(self.loaded), "slots": list(self.slot_ids)}

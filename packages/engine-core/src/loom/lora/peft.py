@@ -28,13 +28,23 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterInfo", "LoRAAdapterError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_MAX_HEADER = 64 << 20
+_MAX_HEADER = 4 << 20  # a LoRA of a 100-layer model on every projection has a header of ~200 KiB
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")
 _LAYER = re.compile(r"\blayers\.(\d+)\.")
+_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+"""Tensor dtypes an adapter may hold (safetensors names), and their sizes."""
 
 
 class LoRAAdapterError(ValueError):
     """An adapter that cannot be served; the message names the adapter and the problem."""
+
+
+MODULE_PATHS: dict[str, re.Pattern[str]] = {
+    "llama": re.compile(r"model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"),
+    "opt": re.compile(r"model\.decoder\.layers\.(\d+)\.(self_attn\.(q|k|v|out)_proj|fc1|fc2)"),
+}
+"""``model_type`` -> the HF module names an adapter's tensors may name (the layer index in group 1)."""
+MODULE_PATHS["mistral"] = MODULE_PATHS["llama"]
 
 
 def _llama(c: Any) -> dict[str, tuple[int, int]]:
@@ -93,6 +103,7 @@ def _read_config(path: str, label: str) -> dict[str, Any]:
 
 
 def _read_header(path: str, label: str) -> dict[str, Any]:
+    """The safetensors header, with every tensor's dtype and byte range checked against the file."""
     weights = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(weights):
         extra = " (adapter_model.bin is not read: save the adapter with safe_serialization=True)" \
@@ -102,13 +113,28 @@ def _read_header(path: str, label: str) -> dict[str, Any]:
         with open(weights, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             if not 2 <= size <= _MAX_HEADER:
-                raise ValueError(f"header size {size} is out of range")
+                raise ValueError(f"header size {size} is out of range (at most {_MAX_HEADER} bytes)")
             header = json.loads(f.read(size))
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
+        data_size = os.path.getsize(weights) - 8 - size
     except (OSError, struct.error, ValueError, UnicodeDecodeError) as e:
         raise LoRAAdapterError(f"{label}: {weights} is not a safetensors file: {e}") from None
     header.pop("__metadata__", None)
+    for key, entry in header.items():
+        if not isinstance(entry, dict):
+            raise LoRAAdapterError(f"{label}: {weights} is not a safetensors file: entry {key!r} is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in _DTYPES:
+            raise LoRAAdapterError(f"{label}: tensor {key!r} is {dtype}; adapters hold F32, F16 or BF16 weights")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise LoRAAdapterError(f"{label}: {weights} is not a safetensors file: entry {key!r} is malformed")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size or end - begin != math.prod(shape) * _DTYPES[dtype]:
+            raise LoRAAdapterError(f"{label}: tensor {key!r}: its bytes [{begin}, {end}) do not hold a {dtype} "
+                                   f"{shape} tensor within the file's {data_size} bytes of data (a truncated or "
+                                   "damaged file)")
     return header
 
 
@@ -153,16 +179,24 @@ def check_adapter(path: str, hf_config: Any, max_lora_rank: int, *, name: str | 
     if not isinstance(path, str) or not os.path.isdir(path):
         raise LoRAAdapterError(f"{label}: {path!r} is not a directory; give the directory of a PEFT adapter")
     dims = target_dims(hf_config)
+    paths = MODULE_PATHS.get(getattr(hf_config, "model_type", None) or "")
     rank, scaling = _check_config(_read_config(path, label), label, max_lora_rank, dims)
     num_layers = getattr(hf_config, "num_hidden_layers", None)
+    header = _read_header(path, label)
+    if dims is not None and num_layers is not None and len(header) > 2 * len(dims) * num_layers:
+        raise LoRAAdapterError(f"{label}: {ADAPTER_WEIGHTS} holds {len(header)} tensors; this model has "
+                               f"{len(dims) * num_layers} adaptable modules (2 tensors each)")
     found: dict[str, dict[str, str]] = {}
-    for key, entry in _read_header(path, label).items():
+    for key, entry in header.items():
         m = _KEY.fullmatch(key)
         if m is None:
             raise LoRAAdapterError(f"{label}: tensor {key!r} is not a LoRA weight (expected "
                                    "base_model.model.<module>.lora_A.weight / lora_B.weight)")
         module, ab = m["module"], m["ab"]
         short = module.split(".")[-1]
+        if paths is not None and paths.fullmatch(module) is None and (dims is None or short in dims):
+            raise LoRAAdapterError(f"{label}: tensor {key!r} names module {module!r}, which is not where this "
+                                   f"model has its {short} (an adapter saved from another model class?)")
         if dims is not None and short not in dims:
             raise LoRAAdapterError(f"{label}: tensor {key!r} targets module {short!r}, which the model lacks; its "
                                    f"adaptable modules are {', '.join(dims)}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,7 +55,8 @@ class OpenAIServingModels:
         self.max_model_len = config.model_config.max_model_len
         self.lora_requests: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
-        self._loading: dict[str, asyncio.Lock] = {}
+        self._resolving: dict[str, asyncio.Future[LoRARequest]] = {}
+        """Names being resolved now, and the one resolution each that its requests await."""
         self.runtime_updates = bool(envs.LOOM_ALLOW_RUNTIME_LORA_UPDATING)
         """Load/unload routes and resolvers (read once, when the app is built)."""
 
@@ -73,7 +75,8 @@ class OpenAIServingModels:
             check_adapter(path, self.hf_config, self.lora_config.max_lora_rank, name=name)
         except LoRAAdapterError as e:
             raise APIError(str(e), param="lora_path") from None
-        return LoRARequest(name, next(self._ids), path)
+        # absolute: every process of the serve reads it, whatever its working directory
+        return LoRARequest(name, next(self._ids), os.path.abspath(path))
 
     def add_startup_adapters(self, modules: Sequence[LoRAModulePath]) -> None:
         """``--lora-modules``: each checked now; a broken one stops the start-up (ValueError)."""
@@ -100,14 +103,14 @@ class OpenAIServingModels:
     def unload_lora_adapter(self, name: str) -> None:
         if self.lora_requests.pop(name, None) is None:
             raise APIError(f"LoRA adapter {name!r} is not loaded; loaded: {', '.join(self.lora_requests) or 'none'}",
-                           status=404, type="not_found_error", param="lora_name", code="model_not_found")
+                           status=404, param="lora_name", code="model_not_found")
         logger.info("Unloaded LoRA adapter %r", name)
 
     # ---- a request's model ----------------------------------------------------------------
     def _not_found(self, name: str) -> APIError:
         served = [*self.base_model_names, *self.lora_requests]
         return APIError(f"The model `{name}` does not exist. Served: {', '.join(served)}", status=404,
-                        type="not_found_error", param="model", code="model_not_found")
+                        param="model", code="model_not_found")
 
     def known(self, name: str | None) -> bool:
         """Whether ``name`` is served now without asking a resolver."""
@@ -120,8 +123,8 @@ class OpenAIServingModels:
 
     async def lora_for(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model), asking the resolvers
-        in order for a name nobody loaded. One resolution per name at a time; requests for a
-        name being resolved wait for it."""
+        in order for a name nobody loaded. One resolution per name at a time: requests for a name
+        being resolved share its outcome (a waiter that goes away does not cancel it)."""
         if self.is_base_model(name):
             return None
         assert name is not None
@@ -130,24 +133,29 @@ class OpenAIServingModels:
             return known
         if not self.runtime_updates:
             raise self._not_found(name)
-        lock = self._loading.setdefault(name, asyncio.Lock())
-        async with lock:
-            known = self.lora_requests.get(name)
-            if known is not None:
-                return known
-            for resolver_name in lora_resolver_registry.get_supported_resolvers():
-                resolver = lora_resolver_registry.get_resolver(resolver_name)
-                try:
-                    found = await resolver.resolve_lora(self.base_model_names[0], name)
-                except Exception as e:
-                    logger.exception("LoRA resolver %r failed for %r", resolver_name, name)
-                    raise APIError(f"LoRA resolver {resolver_name!r} failed for {name!r}: {type(e).__name__}: {e}",
-                                   status=500, type="server_error") from None
-                if found is not None:
-                    request = await self.load_lora_adapter(name, found.lora_path)
-                    logger.info("LoRA resolver %r found adapter %r", resolver_name, name)
-                    return request
-        self._loading.pop(name, None)
+        task = self._resolving.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._resolve(name))
+            self._resolving[name] = task
+            task.add_done_callback(lambda _: self._resolving.pop(name, None))
+        return await asyncio.shield(task)
+
+    async def _resolve(self, name: str) -> LoRARequest:
+        for resolver_name in lora_resolver_registry.get_supported_resolvers():
+            resolver = lora_resolver_registry.get_resolver(resolver_name)
+            try:
+                found = await resolver.resolve_lora(self.base_model_names[0], name)
+            except Exception as e:
+                logger.exception("LoRA resolver %r failed for %r", resolver_name, name)
+                raise APIError(f"LoRA resolver {resolver_name!r} failed for {name!r}: {type(e).__name__}: {e}",
+                               status=500, type="server_error") from None
+            if found is not None:
+                known = self.lora_requests.get(name)  # loaded through the endpoint meanwhile
+                if known is not None:
+                    return known
+                request = await self.load_lora_adapter(name, found.lora_path)
+                logger.info("LoRA resolver %r found adapter %r", resolver_name, name)
+                return request
         raise self._not_found(name)
 
     def model_cards(self) -> list[ModelCard]:

@@ -7,7 +7,8 @@ by the PEFT adapter in ``/srv/adapters/sql-expert`` when that directory holds an
 ``.``/``..``, holds a separator, or leads (through a symlink) outside the directory is refused.
 
 :func:`register` is the plugin's entry point (``lora_filesystem_resolver``): it registers the
-resolver only when the variable is set, and stops start-up when it names no directory.
+resolver only when the variable is set, and stops start-up (of the CLI and the front end, the
+processes that read it) when it names no directory.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def register() -> None:
     if not root:
         return
     if not os.path.isdir(root):
+        if os.environ.get("LOOM_ROLE", "frontend") != "frontend":
+            return  # only the front end resolves; a worker's node need not have the directory
         raise ValueError(f"LOOM_LORA_RESOLVER_CACHE_DIR={root!r} is not a directory; create it or unset the variable")
     if RESOLVER_NAME not in lora_resolver_registry.get_supported_resolvers():
         lora_resolver_registry.register_resolver(RESOLVER_NAME, FilesystemResolver(root))
