@@ -17,16 +17,16 @@ import openai
 import pytest
 import torch
 from loom import LLM, SamplingParams, envs
+from loom.config.server import LoRAModulePath
 from loom.engine.arg_utils import EngineArgs
 from loom.engine.inproc import InprocAsyncLLM
 from loom.entrypoints.openai import build_app
-from loom.entrypoints.openai.serving_models import LoRAModulePath
 from loom.lora.resolvers import filesystem
 from loom_plugin_api import LoRARequest
 from loom_plugin_api.lora import LoRAResolver, lora_resolver_registry
 from safetensors.torch import save_file
 from server_thread import ServerThread
-from test_openai_server import TEMPLATE, _build_tiny_llama
+from test_openai_server import TEMPLATE, _build_tiny_llama, _gpt2_tokenizer
 
 BASE = "tiny-llama"
 DIMS = {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
@@ -153,12 +153,6 @@ def test_a_request_naming_an_adapter_runs_with_it(client, expected):
     chunks = client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}], stream=True,
                                             temperature=0.0, max_tokens=4)
     assert {c.model for c in chunks} == {"sql"}
-
-
-def _gpt2_tokenizer():
-    from test_openai_server import _gpt2_tokenizer as tok
-
-    return tok()
 
 
 def _error(response: httpx.Response, status: int, *words: str) -> None:

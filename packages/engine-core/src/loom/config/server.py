@@ -47,10 +47,27 @@ def _api_key_file(path: str) -> str:
     return path
 
 
-def _lora_module(text: str) -> str:
+@dataclass(frozen=True, slots=True)
+class LoRAModulePath:
+    """One ``--lora-modules`` entry: an adapter's name and its PEFT directory."""
+
+    name: str
+    path: str
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """``NAME=PATH``; a ValueError says what the form is."""
     name, sep, path = text.partition("=")
     if not sep or not name.strip() or not path.strip():
-        raise argparse.ArgumentTypeError(f"expected NAME=PATH (an adapter's name and its PEFT directory), got {text!r}")
+        raise ValueError(f"expected NAME=PATH (an adapter's name and its PEFT directory), got {text!r}")
+    return LoRAModulePath(name.strip(), path.strip())
+
+
+def _lora_module(text: str) -> str:
+    try:
+        parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

@@ -23,7 +23,7 @@ from loom_plugin_api import load_general_plugins
 
 from .. import envs
 from ..config import LoomConfig
-from ..config.server import ServerConfig
+from ..config.server import ServerConfig, parse_lora_module
 from ..engine.client import EngineClient
 from ..engine.core_client import ProcCoreConnection
 from ..ipc.channel import Channel
@@ -32,7 +32,6 @@ from ..platforms import current_platform  # noqa: F401 - importing it resolves t
 from ..transformers_utils.tokenizer import get_tokenizer
 from .openai import build_app, serve_http
 from .openai.limits import RequestLimits
-from .openai.serving_models import parse_lora_module
 
 logger = init_logger("loom.frontend")
 

@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..config import LoomConfig
-from ..config.server import ServerConfig
+from ..config.server import ServerConfig, parse_lora_module
 from ..engine.arg_utils import EngineArgs
 from ..lora.peft import check_adapter
 from .chat_utils import load_chat_template
@@ -51,8 +51,8 @@ def _check_lora_modules(server: ServerConfig, config: LoomConfig) -> None:
         raise ValueError("--lora-modules needs --enable-lora")
     names: set[str] = set()
     checked = []
-    for module in server.lora_modules:
-        name, _, path = (part.strip() for part in module.partition("="))
+    for module in map(parse_lora_module, server.lora_modules):
+        name, path = module.name, module.path
         if name in names or name == config.model_config.served_model_name:
             raise ValueError(f"--lora-modules: the name {name!r} is taken (by another adapter or the base model)")
         names.add(name)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Any
 
 import numpy as np
 import torch
@@ -180,6 +179,3 @@ class LoRAModelManager:
             groups = tuple((s, torch.from_numpy(np.flatnonzero(rows == s)).to(self.device)) for s in used)
         self.state.mapping = LoRAMapping(torch.from_numpy(rows).to(self.device), groups)
         return self.state.mapping
-
-    def stats(self) -> dict[str, Any]:
-        return {"loaded": list(self.loaded), "slots": list(self.slot_ids)}

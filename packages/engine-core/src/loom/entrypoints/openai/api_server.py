@@ -25,6 +25,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ... import __version__
+from ...config.server import LoRAModulePath
 from ...engine.client import EngineClient
 from ...logger import init_logger
 from ...metrics import ServerMetrics
@@ -44,7 +45,7 @@ from .protocol import (
 from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_engine import APIError, TokenizerThread
-from .serving_models import LoRAModulePath, OpenAIServingModels
+from .serving_models import OpenAIServingModels
 
 logger = init_logger(__name__)
 

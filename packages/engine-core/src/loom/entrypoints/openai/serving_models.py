@@ -16,12 +16,12 @@ import asyncio
 import itertools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from loom_plugin_api.lora import LoRARequest, lora_resolver_registry
 
 from ... import envs
 from ...config import LoomConfig
+from ...config.server import LoRAModulePath
 from ...logger import init_logger
 from ...lora.peft import LoRAAdapterError, check_adapter
 from .protocol import ModelCard
@@ -29,21 +29,7 @@ from .serving_engine import APIError
 
 logger = init_logger(__name__)
 
-__all__ = ["LoRAModulePath", "OpenAIServingModels", "parse_lora_module"]
-
-
-@dataclass(frozen=True, slots=True)
-class LoRAModulePath:
-    name: str
-    path: str
-
-
-def parse_lora_module(text: str) -> LoRAModulePath:
-    """``name=path`` (``--lora-modules``); a ValueError says what the form is."""
-    name, sep, path = text.partition("=")
-    if not sep or not name.strip() or not path.strip():
-        raise ValueError(f"--lora-modules takes name=path pairs, got {text!r}")
-    return LoRAModulePath(name.strip(), path.strip())
+__all__ = ["OpenAIServingModels"]
 
 
 class OpenAIServingModels:
