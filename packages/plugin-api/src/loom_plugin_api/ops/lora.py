@@ -11,11 +11,13 @@ the base layer's output::
 
 A platform supplies a kernel with ``CustomOp.register_kernel("lora", fn)``, called
 ``fn(y, x, lora_a, lora_b, mapping)``; it updates ``y`` in place and returns it. Without one,
-``forward_native`` runs one pair of matmuls per slot in use (never a loop over requests).
+``forward_native`` gathers the adapted rows once, grouped by slot, runs one pair of matmuls per
+slot in use (never a loop over requests) and adds the products back in one scatter.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,18 @@ class LoRAMapping:
         groups = tuple((s, (token_slots == s).nonzero().squeeze(1)) for s in slots)
         return cls(token_slots, groups)
 
+    def packed(self) -> tuple[torch.Tensor, tuple[tuple[int, int], ...]]:
+        """The rows of every group, concatenated in group order, and each group's ``(start, end)``
+        in them; worked out once per mapping (every layer of the step shares it)."""
+        packed = self.__dict__.get("_packed")
+        if packed is None:
+            rows = [torch.arange(self.num_tokens, device=self.token_slots.device) if r is None else r
+                    for _, r in self.groups]
+            ends = list(itertools.accumulate(r.shape[0] for r in rows))
+            packed = (torch.cat(rows), tuple(zip([0, *ends[:-1]], ends)))
+            object.__setattr__(self, "_packed", packed)  # a cache, not a field: the mapping stays frozen
+        return packed
+
     @property
     def num_tokens(self) -> int:
         return self.token_slots.shape[0]
@@ -71,14 +85,21 @@ class BatchedLoRA(CustomOp):
 
     def forward_native(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                        mapping: LoRAMapping) -> torch.Tensor:
-        for slot, rows in mapping.groups:
+        if not mapping.groups:
+            return y
+        if len(mapping.groups) == 1:
+            slot, rows = mapping.groups[0]
             xs = x if rows is None else x.index_select(0, rows)  # (t, in)
             delta = (xs.float() @ lora_a[slot].float().T) @ lora_b[slot].float().T  # (t, out)
-            if rows is None:
-                y.add_(delta.to(y.dtype))
-            else:
-                y.index_add_(0, rows, delta.to(y.dtype))
-        return y
+            return y.add_(delta.to(y.dtype)) if rows is None else y.index_add_(0, rows, delta.to(y.dtype))
+        # Several slots: the adapted rows gathered once, grouped by slot (each group a contiguous
+        # range), one pair of matmuls per group into one buffer, scattered back once.
+        order, bounds = mapping.packed()
+        xs = x.index_select(0, order).float()
+        delta = xs.new_empty(xs.shape[0], y.shape[1])
+        for (slot, _), (start, end) in zip(mapping.groups, bounds):
+            torch.mm(xs[start:end] @ lora_a[slot].float().T, lora_b[slot].float().T, out=delta[start:end])
+        return y.index_add_(0, order, delta.to(y.dtype))
 
     def forward_cuda(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                      mapping: LoRAMapping) -> torch.Tensor:
