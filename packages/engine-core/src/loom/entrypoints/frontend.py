@@ -71,7 +71,8 @@ async def _serve(config: LoomConfig, tokenizer: Any, channel: Channel, server: S
     limits = RequestLimits(max_n=server.max_n, max_request_body_bytes=server.max_request_body_bytes)
     app = build_app(client, config.model_config.served_model_name, api_key=server.api_key,
                     chat_template=server.chat_template, limits=limits,
-                    lora_modules=[parse_lora_module(m) for m in server.lora_modules])
+                    lora_modules=[parse_lora_module(m) for m in server.lora_modules],
+                    chat_ui=not server.disable_chat_ui)
     cut = 0
 
     def end_the_rest() -> None:

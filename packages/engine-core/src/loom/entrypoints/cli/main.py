@@ -15,6 +15,7 @@ logger = init_logger(__name__)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("loom.entrypoints.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "generate": ("loom.entrypoints.cli.generate", "generate text with a model, offline"),
+    "bench": ("loom.entrypoints.cli.bench", "measure loom on fixed workloads: offline, serve, startup"),
     "plugins": ("loom.entrypoints.cli.plugins", "show every plugin group, entry point and platform verdict"),
     "collect-env": ("loom.entrypoints.cli.collect_env", "print versions, the platform and plugins"),
 }

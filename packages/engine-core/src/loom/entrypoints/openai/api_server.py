@@ -1,9 +1,9 @@
 """The FastAPI app of the OpenAI-compatible server, built on any :class:`EngineClient`.
 
-``build_app`` adds the OpenAI routes, ``/health``, ``/version`` and ``/metrics``, the API-key
-check on ``/v1/*``, the request-body size limit, OpenAI-shaped error bodies for every
-failure, and finally the routes of the ``loom.endpoint_plugins`` group (each a
-``(app) -> None``), once per app.
+``build_app`` adds the OpenAI routes, ``/health``, ``/version`` and ``/metrics``, the chat page at
+``/`` (open: the page asks for the key), the API-key check on ``/v1/*``, the request-body size
+limit, OpenAI-shaped error bodies for every failure, and finally the routes of the
+``loom.endpoint_plugins`` group (each a ``(app) -> None``), once per app.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from loom_plugin_api import ENDPOINT_PLUGINS_GROUP, PluginError, load_plugins_strict
 from pydantic import BaseModel
 from starlette.datastructures import Headers
@@ -29,6 +29,7 @@ from ...config.server import LoRAModulePath
 from ...engine.client import EngineClient
 from ...logger import init_logger
 from ...metrics import ServerMetrics
+from .chat_ui import chat_page
 from .limits import BodySizeLimitMiddleware, RequestLimits
 from .protocol import (
     ChatCompletionChunk,
@@ -61,9 +62,11 @@ def build_app(
     endpoint_plugins: Mapping[str, Callable[[FastAPI], None]] | None = None,
     limits: RequestLimits | None = None,
     lora_modules: Sequence[LoRAModulePath] = (),
+    chat_ui: bool = True,
 ) -> FastAPI:
     """The server's app. ``endpoint_plugins=None`` loads the ``loom.endpoint_plugins`` group;
-    ``lora_modules`` are the adapters served from the start (each checked: a broken one is a ValueError)."""
+    ``lora_modules`` are the adapters served from the start (each checked: a broken one is a ValueError);
+    ``chat_ui=False`` (``--disable-chat-ui``) leaves ``/`` unrouted."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name is empty; give at least one name")
@@ -135,6 +138,11 @@ def build_app(
         metrics.update_engine_stats(engine_client.get_stats())
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+    if chat_ui:
+        @app.get("/", include_in_schema=False, response_class=HTMLResponse)
+        async def show_chat_page() -> HTMLResponse:
+            return chat_page()
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     if api_key:

@@ -1,0 +1,116 @@
+"""A real ``loom serve`` for the benchmarks: start it, wait for ``/health``, measure its tree, stop it.
+
+The server runs as ``python -m loom.entrypoints.cli.main serve`` with this interpreter, in its
+own session (so a stuck tree can be killed as a group), its output in a log file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+SERVE = [sys.executable, "-m", "loom.entrypoints.cli.main", "serve"]
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy between a client and its server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(args: list[str], log_path: str) -> tuple[subprocess.Popen, str, float]:
+    """Launch ``loom serve ARGS`` on a free port; returns (process, base url, launch time
+    from ``time.perf_counter``)."""
+    port = free_port()
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        launched = time.perf_counter()
+        proc = subprocess.Popen([*SERVE, *args, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, f"http://127.0.0.1:{port}", launched
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 600, log_path: str | None = None) -> float:
+    """Poll ``/health`` until it answers 200; returns that moment (``time.perf_counter``).
+    Raises RuntimeError, naming the last line of the log, when the server exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"loom serve exited with {proc.returncode} before it was ready"
+                               + (f": {last_line(log_path)} (log: {log_path})" if log_path else ""))
+        if health(url, timeout=1) == 200:
+            return time.perf_counter()
+        time.sleep(0.02)
+    raise TimeoutError(f"loom serve was not ready in {timeout:.0f} s" + (f" (log: {log_path})" if log_path else ""))
+
+
+def health(url: str, timeout: float = 5) -> int | None:
+    """The status of ``GET URL/health``; None when nothing answers."""
+    try:
+        with _OPENER.open(url + "/health", timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return None
+
+
+def last_line(log_path: str) -> str:
+    """The last non-empty line of a log (a ``loom: error: ...`` line when the CLI refused)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            lines = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return "(no log)"
+    return lines[-1] if lines else "(empty log)"
+
+
+def tree_rss_bytes(root_pid: int) -> int:
+    """RSS of a process and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid, ppid = int(entry), int(fields[1])
+        children.setdefault(ppid, []).append(pid)
+        rss[pid] = int(fields[21]) * page
+    total, stack = 0, [root_pid]
+    while stack:
+        pid = stack.pop()
+        total += rss.get(pid, 0)
+        stack.extend(children.get(pid, []))
+    return total
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> int:
+    """SIGTERM (the serve drains and stops its children), then SIGKILL to the whole group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def serve_has_flag(flag: str) -> bool:
+    """Whether this ``loom serve`` takes ``flag`` (read from its ``--help``)."""
+    try:
+        out = subprocess.run([*SERVE, "--help"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError("`loom serve --help` did not answer in 120 s") from None
+    return any(word.strip(",[]") == flag for word in out.stdout.split())
