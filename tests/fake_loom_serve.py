@@ -6,7 +6,7 @@
 It answers ``GET /health`` with 200 and ``POST /v1/completions`` (stream) with one SSE event
 per requested token (text ``"t"``), the usage, then ``[DONE]``; with ``FAKE_API_KEY`` set it
 wants that bearer token (401 in OpenAI's shape otherwise). With ``--startup-trace FILE`` it
-writes a Chrome trace of four tracks (cli, supervisor, frontend, worker-0) with nested spans,
+writes a Chrome trace of four tracks (cli, supervisor, frontend, worker:0) with nested spans,
 in the format of loom's start-up trace. SIGTERM stops it (exit 0).
 """
 
@@ -24,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 def write_trace(path: str) -> None:
     now = time.time() * 1e6
     pid = os.getpid()
-    roles = {pid: "cli", pid + 1: "supervisor", pid + 2: "frontend", pid + 3: "worker-0"}
+    roles = {pid: "cli", pid + 1: "supervisor", pid + 2: "frontend", pid + 3: "worker:0"}
     events = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": r}} for p, r in roles.items()]
     spans = [(pid, "interpreter and imports", 0, 300_000), (pid, "import torch", 10_000, 200_000),
              (pid + 1, "spawn", 300_000, 20_000), (pid + 1, "READY", 320_000, 600_000),

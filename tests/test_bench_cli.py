@@ -98,9 +98,9 @@ def test_startup_reads_the_trace(tiny_llama: Path, tmp_path: Path, capsys: pytes
     results = doc["results"]
     assert results["trace"] == "on" and len(results["runs"]) == 3
     spans = results["runs"][results["median_run"]]["spans"]
-    assert {s["process"] for s in spans} == {"cli", "supervisor", "frontend", "worker-0"}
+    assert {s["process"] for s in spans} == {"cli", "supervisor", "frontend", "worker:0"}
     assert {s["name"]: s["depth"] for s in spans}["import torch"] == 1
-    assert "where run" in out and "load weights (worker-0) 0.50 s" in out
+    assert "where run" in out and "load weights (worker:0) 0.50 s" in out
 
     monkeypatch.setenv("FAKE_NO_TRACE", "1")  # a loom serve without the flag: no trace, still a plot
     doc, out = bench(["startup", str(tiny_llama), "--runs", "1"], tmp_path, capsys)

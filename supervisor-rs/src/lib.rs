@@ -18,6 +18,7 @@ pub mod signals;
 pub mod spawn;
 pub mod spec;
 pub mod supervisor;
+pub mod timeline;
 
 #[cfg(feature = "python")]
 mod python;

@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -144,6 +145,9 @@ pub struct Plan {
     /// here): every HELLO must state it, so a child from another installation is stopped
     /// before it misreads a message.
     pub messages_version: u32,
+    /// Where to write the supervisor's part of a start-up trace (`timeline.rs`); None: no
+    /// trace, and nothing is recorded.
+    pub startup_trace_dir: Option<PathBuf>,
 }
 
 /// The plan as it arrives on the wire (msgpack map with these keys). An unknown key is
@@ -166,6 +170,8 @@ struct RawPlan {
     ready_url: Option<String>,
     #[serde(default)]
     messages_version: Option<u32>,
+    #[serde(default)]
+    startup_trace_dir: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -221,6 +227,9 @@ impl Plan {
                 u32::MAX
             )));
         }
+        if raw.startup_trace_dir.as_deref() == Some("") {
+            return Err(Error::Plan("startup_trace_dir is empty; name a directory or leave it out".into()));
+        }
         let max_frame_bytes = usize::try_from(max_frame_bytes)
             .map_err(|_| Error::Plan("max_frame_bytes does not fit this platform".into()))?;
         Ok(Plan {
@@ -236,6 +245,7 @@ impl Plan {
             },
             ready_url: raw.ready_url,
             messages_version: raw.messages_version.unwrap_or(WIRE_VERSION),
+            startup_trace_dir: raw.startup_trace_dir.map(PathBuf::from),
         })
     }
 
@@ -347,6 +357,24 @@ mod tests {
         let doc = OneProc { processes: vec![Proc { role: "worker", argv: vec!["/bin/true"], environment: vec![] }] };
         let err = Plan::from_msgpack(&rmp_serde::to_vec_named(&doc).unwrap()).unwrap_err().to_string();
         assert!(err.contains("unknown field `environment`"), "{err}");
+    }
+
+    #[test]
+    fn the_plan_names_the_trace_directory_or_none() {
+        assert_eq!(Plan::from_msgpack(&with_key("max_frame_bytes", 4096)).unwrap().startup_trace_dir, None);
+        #[derive(Serialize)]
+        struct Traced<'a> {
+            processes: Vec<P<'a>>,
+            startup_trace_dir: &'a str,
+        }
+        let encode = |dir| {
+            let processes = vec![P { role: "worker", rank: 0, argv: vec!["/bin/true"] }];
+            rmp_serde::to_vec_named(&Traced { processes, startup_trace_dir: dir }).unwrap()
+        };
+        let plan = Plan::from_msgpack(&encode("/tmp/t")).unwrap();
+        assert_eq!(plan.startup_trace_dir, Some(PathBuf::from("/tmp/t")));
+        let err = Plan::from_msgpack(&encode("")).unwrap_err().to_string();
+        assert!(err.contains("startup_trace_dir is empty"), "{err}");
     }
 
     #[test]

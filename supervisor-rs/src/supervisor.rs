@@ -21,6 +21,7 @@ use crate::rundir::RunDir;
 use crate::shutdown::Deaths;
 use crate::spawn::{self, Exit, Spawned};
 use crate::spec::{Address, Plan, Role};
+use crate::timeline::Timeline;
 
 /// How long the frames a child sent just before exiting may take to be processed.
 pub(crate) const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(500);
@@ -142,6 +143,8 @@ pub(crate) struct Supervisor {
     run_dir: RunDir,
     accept: JoinHandle<()>,
     connected: usize,
+    /// The start-up instants, when the plan asks for a start-up trace.
+    timeline: Option<Timeline>,
 }
 
 /// Runs one serve. `stops` carries stop requests (signal numbers: SIGINT/SIGTERM); a
@@ -150,6 +153,7 @@ pub(crate) struct Supervisor {
 /// Must run on a current-thread runtime driven by a thread that lives for the whole serve
 /// (see `spawn::spawn`).
 pub async fn supervise(plan: Plan, console: Console, stops: UnboundedReceiver<i32>) -> Result<Outcome> {
+    let mut timeline = plan.startup_trace_dir.clone().map(|dir| Timeline::new(dir, &plan));
     let (run_dir, listener) = RunDir::create()?;
     let listener = UnixListener::from_std(listener)
         .map_err(|source| Error::RunDir { path: run_dir.path().to_path_buf(), source })?;
@@ -161,7 +165,14 @@ pub async fn supervise(plan: Plan, console: Console, stops: UnboundedReceiver<i3
         let on_exit = move |exit| {
             let _ = tx.send(Event::Exited { idx, exit });
         };
-        match spawn::spawn(spec, run_dir.socket(), &console, on_exit) {
+        if let Some(t) = timeline.as_mut() {
+            t.spawning(idx);
+        }
+        let result = spawn::spawn(spec, run_dir.socket(), &console, on_exit);
+        if let (Some(t), Ok(spawned)) = (timeline.as_mut(), &result) {
+            t.spawned(idx, spawned.pid);
+        }
+        match result {
             Ok(spawned) => children.push(Child {
                 address: spec.address(),
                 role: spec.role,
@@ -180,6 +191,9 @@ pub async fn supervise(plan: Plan, console: Console, stops: UnboundedReceiver<i3
             }),
             Err(e) => {
                 kill_spawned(&mut children, &mut events).await;
+                if let Some(t) = timeline.as_mut() {
+                    t.finish("failed");
+                }
                 return Err(e);
             }
         }
@@ -202,8 +216,18 @@ pub async fn supervise(plan: Plan, console: Console, stops: UnboundedReceiver<i3
         run_dir,
         accept,
         connected: 0,
+        timeline,
     };
-    let code = match supervisor.watch().await {
+    let ending = supervisor.watch().await;
+    if let Some(t) = supervisor.timeline.as_mut() {
+        // written here only if start-up never finished (at all-READY otherwise)
+        t.finish(match ending {
+            Ending::Failed(_) | Ending::RemoteDied(_) => "failed",
+            Ending::Stop(_) => "stopped",
+            Ending::LeadFinished => "finished",
+        });
+    }
+    let code = match ending {
         Ending::Failed(failure) => supervisor.on_failure(failure).await,
         Ending::RemoteDied(death) => supervisor.on_remote_death(death).await,
         Ending::Stop(sig) => supervisor.on_stop_request(sig).await,
@@ -327,6 +351,9 @@ impl Supervisor {
                 return Some(self.judge_exit(idx));
             }
             Event::Hello { idx } => {
+                if let Some(t) = self.timeline.as_mut() {
+                    t.hello(idx);
+                }
                 let child = &mut self.children[idx];
                 child.connected = true;
                 child.phase = Phase::Hello;
@@ -340,6 +367,9 @@ impl Supervisor {
                 }
             }
             Event::ConfigSent { idx } => {
+                if let Some(t) = self.timeline.as_mut() {
+                    t.config(idx);
+                }
                 let child = &mut self.children[idx];
                 if child.phase == Phase::Hello {
                     child.phase = Phase::Config;
@@ -380,7 +410,13 @@ impl Supervisor {
         child.phase = Phase::Ready;
         child.deadline = None;
         self.console.say(&format!("{} (pid {}) ready", child.address, child.pid));
+        if let Some(t) = self.timeline.as_mut() {
+            t.ready(idx);
+        }
         if self.children.iter().all(|c| c.phase == Phase::Ready) {
+            if let Some(t) = self.timeline.as_mut() {
+                t.all_ready();
+            }
             let now = Instant::now();
             for c in &mut self.children {
                 c.phase = Phase::Running;

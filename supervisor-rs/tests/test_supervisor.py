@@ -273,6 +273,7 @@ def test_plan_defaults_and_wire_form() -> None:
         "processes": [{"role": "worker", "rank": 0, "argv": ["/bin/true"], "env": {}}],
         "config": b"", "startup_timeout_s": 300.0, "grace_period_s": 10.0, "max_frame_bytes": 64 << 20,
         "heartbeat_timeout_s": 0.0, "ready_url": None, "messages_version": loom_supervisor.WIRE_VERSION,
+        "startup_trace_dir": None,
     }
     assert msgpack.unpackb(plan.to_msgpack(), raw=False) == plan.to_wire()
     with pytest.raises(TypeError):
@@ -657,3 +658,33 @@ def test_wheel_provides_the_module_and_the_command(tmp_path: Path) -> None:
     helped = subprocess.run([str(command), "--help"], env=env, capture_output=True, timeout=60)
     assert helped.returncode == 0, helped.stderr.decode()
     assert b"Usage: loom-supervisor" in helped.stdout
+
+
+def test_the_start_up_timeline_names_every_child_in_one_clock(child: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    before = time.time_ns()
+    serve = Serve(make_plan(child, "relay", FOUR, startup_trace_dir=str(trace)), tmp_path / "xdg")
+    assert serve.finish() == 0, serve.text
+    after = time.time_ns()
+    doc = json.loads((trace / "supervisor.json").read_text())
+    assert [f.name for f in trace.iterdir()] == ["supervisor.json"]  # no temporary file left
+    assert doc["outcome"] == "ready" and doc["supervisor_pid"] == serve.proc.pid
+    pids = serve.child_pids()
+    assert {c["address"]: c["pid"] for c in doc["children"]} == pids
+    assert [(c["role"], c["rank"]) for c in doc["children"]] == list(FOUR)
+    assert before <= doc["plan_ns"]
+    for c in doc["children"]:
+        steps = [c[k] for k in ("spawn_ns", "spawned_ns", "hello_ns", "config_ns", "ready_ns")]
+        assert doc["plan_ns"] <= steps[0] and steps == sorted(steps), c
+        assert steps[-1] <= doc["ready_ns"] <= after
+
+
+def test_a_start_up_that_fails_still_writes_its_timeline(child: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    plan = make_plan(child, "crash_after_hello", FOUR, startup_trace_dir=str(trace))
+    serve = Serve(plan, tmp_path / "xdg")
+    assert serve.finish() == 1, serve.text
+    doc = json.loads((trace / "supervisor.json").read_text())
+    assert doc["outcome"] == "failed" and doc["ready_ns"] is None
+    worker = next(c for c in doc["children"] if c["address"] == "worker:1")
+    assert worker["hello_ns"] is not None and worker["ready_ns"] is None

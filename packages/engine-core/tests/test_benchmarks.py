@@ -21,7 +21,7 @@ T0 = 1_764_000_000_000_000  # microseconds on the trace's clock
 
 def synthetic_trace() -> dict:
     """Six tracks, spans nested up to depth 2, a worker span on another thread, an unnamed pid."""
-    roles = {11: "worker-1", 7: "engine-core", 3: "cli", 9: "worker-0", 5: "supervisor", 6: "frontend"}
+    roles = {11: "worker:1", 7: "engine_core", 3: "cli", 9: "worker:0", 5: "supervisor", 6: "frontend"}
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": p, "args": {"name": r}} for p, r in roles.items()]
 
     def span(pid: int, name: str, start_ms: float, dur_ms: float, tid: int = 1) -> None:
@@ -102,22 +102,22 @@ def test_workload_is_fixed_per_seed_and_round() -> None:
 
 def test_trace_tracks_depths_and_order() -> None:
     spans = parse_trace(synthetic_trace())
-    assert processes(spans) == ["cli", "supervisor", "frontend", "engine-core", "worker-0", "worker-1", "pid 42"]
+    assert processes(spans) == ["cli", "supervisor", "frontend", "engine_core", "worker:0", "worker:1", "pid 42"]
     by = {(s.process, s.name): s for s in spans}
     assert by[("cli", "interpreter and imports")].start_s == 0.0
     assert by[("cli", "import torch")].depth == 1
     assert by[("cli", "build config")].depth == 0  # starts where its neighbour ends: not nested
-    assert by[("worker-0", "read safetensors")].depth == 1
-    assert by[("worker-0", "one shard")].depth == 2
-    assert by[("worker-0", "prepack")].depth == 1  # nesting is per process, across threads
-    assert by[("worker-1", "warm-up")].depth == 0
+    assert by[("worker:0", "read safetensors")].depth == 1
+    assert by[("worker:0", "one shard")].depth == 2
+    assert by[("worker:0", "prepack")].depth == 1  # nesting is per process, across threads
+    assert by[("worker:1", "warm-up")].depth == 0
     assert by[("supervisor", "READY")].start_s == pytest.approx(1.37)
     assert by[("supervisor", "READY")].dur_s == pytest.approx(2.6)
-    assert by[("worker-0", "load weights")].args == {"detail": "load weights"}
+    assert by[("worker:0", "load weights")].args == {"detail": "load weights"}
     assert not any(s.name == "an instant" for s in spans)
     assert [s.name for s in longest(spans, 2)] == ["READY", "load weights"]
     rows = {r["process"]: r for r in per_process(spans)}
-    assert rows["worker-0"]["longest"] == "load weights" and rows["worker-0"]["end_s"] == pytest.approx(3.7)
+    assert rows["worker:0"]["longest"] == "load weights" and rows["worker:0"]["end_s"] == pytest.approx(3.7)
     assert parse_trace({"traceEvents": []}) == [] and parse_trace(synthetic_trace()["traceEvents"]) == spans
 
 

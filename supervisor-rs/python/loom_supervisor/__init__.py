@@ -71,8 +71,11 @@ class Plan:
     is the version of the message schema the children exchange (loom's), which every
     HELLO must state; once every process is READY, a child that sends no HEARTBEAT for
     ``heartbeat_timeout_s`` (0: not watched) is reported as not responding, like a death
-    (``client.Client.ready`` starts the heartbeats). The defaults are the ones the supervisor
-    applies to a key left out.
+    (``client.Client.ready`` starts the heartbeats). ``startup_trace_dir``: a directory where
+    the supervisor writes ``supervisor.json``, when each child was spawned and its HELLO, CONFIG
+    and READY happened (nanoseconds since the epoch, ``time.time_ns()``'s clock), once every
+    process is READY or when the serve ends before that; None records nothing. The defaults are
+    the ones the supervisor applies to a key left out.
     """
 
     processes: Sequence[ProcessPlan]
@@ -83,6 +86,7 @@ class Plan:
     heartbeat_timeout_s: float = 0.0
     ready_url: str | None = None
     messages_version: int = WIRE_VERSION
+    startup_trace_dir: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The msgpack-ready map the supervisor reads, every key given."""
@@ -100,6 +104,7 @@ class Plan:
             "heartbeat_timeout_s": self.heartbeat_timeout_s,
             "ready_url": self.ready_url,
             "messages_version": self.messages_version,
+            "startup_trace_dir": self.startup_trace_dir,
         }
 
     def to_msgpack(self) -> bytes:

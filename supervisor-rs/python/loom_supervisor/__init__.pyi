@@ -50,6 +50,7 @@ class Plan:
     max_frame_bytes: int = 67108864  # 64 MiB; larger frames are dropped
     ready_url: str | None = None  # printed once every process is READY
     messages_version: int = ...  # loom's message schema version, stated by every HELLO; default WIRE_VERSION
+    startup_trace_dir: str | None = None  # write supervisor.json (spawn/HELLO/CONFIG/READY times) there
     def to_wire(self) -> dict[str, Any]: ...
     def to_msgpack(self) -> bytes: ...
 

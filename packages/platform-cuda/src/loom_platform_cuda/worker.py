@@ -12,6 +12,7 @@ import logging
 
 import torch
 from loom_plugin_api import ModelRunnerOutput, SchedulerOutput, WorkerBase, get_current_platform
+from loom_plugin_api.tracing import span
 
 from .model_runner import CudaModelRunner
 
@@ -79,11 +80,13 @@ class CudaWorker(WorkerBase):
         return self.model_runner.kv_cache_block_bytes()
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_cache(num_blocks)
+        with span("allocate the KV cache"):
+            self.model_runner.initialize_cache(num_blocks)
         logger.info("Worker rank %d allocated %d KV-cache blocks", self.rank, num_blocks)
         compilation = self.config.compilation_config
         if not compilation.enforce_eager:
-            self.model_runner.capture_decode_graphs(compilation.cudagraph_capture_sizes)
+            with span("capture CUDA graphs", sizes=len(compilation.cudagraph_capture_sizes)):
+                self.model_runner.capture_decode_graphs(compilation.cudagraph_capture_sizes)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         output = self.model_runner.execute_model(scheduler_output)

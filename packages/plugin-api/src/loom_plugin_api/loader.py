@@ -33,6 +33,7 @@ from typing import Any
 
 from ._groups import ALL_GROUPS, GENERAL_PLUGINS_GROUP
 from .errors import PluginError
+from .tracing import span
 from .validation import contract_mismatch, contract_range
 
 logger = logging.getLogger("loom.plugins")
@@ -101,7 +102,8 @@ def allowed_plugin_names() -> set[str] | None:
 def _scan() -> dict[str, tuple[EntryPoint, ...]]:
     """Scan installed entry points of loom's groups, once per process."""
     start = time.perf_counter()
-    found = {group: tuple(entry_points(group=group)) for group in ALL_GROUPS}
+    with span("scan entry points"):
+        found = {group: tuple(entry_points(group=group)) for group in ALL_GROUPS}
     logger.debug("Scanned loom entry points in %.3f s", time.perf_counter() - start)
     return found
 
@@ -162,7 +164,8 @@ def load_plugins_by_group(group: str) -> dict[str, Callable[..., Any]]:
             continue
         start = time.perf_counter()
         try:
-            obj = ep.load()
+            with span(f"import plugin {ep.name}", group=group, value=ep.value):
+                obj = ep.load()
         except Exception as e:  # a broken plugin must be reported, never skipped silently
             record.status = "failed"
             record.error = f"{type(e).__name__}: {e}"
@@ -264,7 +267,8 @@ def load_general_plugins() -> None:
         return
     _general_plugins_loaded = True
     try:
-        _run_general_plugins()
+        with span("general plugins"):
+            _run_general_plugins()
     except PluginError as e:
         _general_plugins_error = e
         raise
@@ -276,7 +280,8 @@ def _run_general_plugins() -> None:
         record = _records[(GENERAL_PLUGINS_GROUP, name)]
         start = time.perf_counter()
         try:
-            func()
+            with span(f"run general plugin {name}"):
+                func()
         except Exception as e:
             record.status = "failed"
             record.error = f"{type(e).__name__}: {e}"

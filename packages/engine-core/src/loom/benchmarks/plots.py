@@ -112,9 +112,11 @@ def plot_startup(spans: list[Span], ready_s: float | None, title: str, path: str
     if unlabelled:  # spans too short for their name: named in a legend by colour
         from matplotlib.patches import Patch  # optional dependency: only --plot needs it
 
+        # beside the chart, never over it
         ax.legend(handles=[Patch(color=colors[names.index(n) % len(colors)], label=n) for n in unlabelled],
-                  loc="best", fontsize=7, title="short spans", title_fontsize=7)
-    fig.savefig(path, dpi=110)
+                  loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, title="short spans",
+                  title_fontsize=7, ncol=1 + len(unlabelled) // 24)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -3,7 +3,7 @@
 The file is an object ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``
 (a bare list of events is read too). A metadata event ``{"ph": "M", "name": "process_name",
 "pid": P, "args": {"name": ROLE}}`` names each process track (``cli``, ``supervisor``,
-``frontend``, ``engine-core``, ``worker-0``, ...); spans are complete events ``{"ph": "X",
+``frontend``, ``engine_core``, ``worker:0``, ...); spans are complete events ``{"ph": "X",
 "name", "ts", "dur", "pid", "tid", "args"}`` in microseconds on one clock. A span lies at
 depth d when d other spans of its process enclose it (its ``[ts, ts + dur]`` inside theirs).
 """
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLE_ORDER = ("cli", "supervisor", "frontend", "engine-core")
+ROLE_ORDER = ("cli", "llm", "supervisor", "frontend", "engine_core")
 _SLACK_US = 1.0  # a child rounded to the microsecond may end just past its parent
 
 
@@ -50,22 +50,26 @@ def parse_trace(document: dict[str, Any] | list[dict[str, Any]]) -> list[Span]:
     events = document.get("traceEvents", []) if isinstance(document, dict) else document
     names = {e["pid"]: str(e.get("args", {}).get("name")) for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name" and "pid" in e}
+    # the supervisor runs inside the CLI's process (loom_supervisor.run): its threads are a track of their own
+    supervisor_threads = {(e["pid"], e.get("tid")) for e in events if e.get("ph") == "M"
+                          and e.get("name") == "thread_name" and str(e.get("args", {}).get("name")).startswith("supervisor")}
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
     if not complete:
         return []
     origin = min(float(e["ts"]) for e in complete)
     spans: list[Span] = []
-    by_pid: dict[int, list[dict[str, Any]]] = {}
+    by_track: dict[tuple[int, bool], list[dict[str, Any]]] = {}
     for e in complete:
-        by_pid.setdefault(e.get("pid", 0), []).append(e)
-    for pid, group in by_pid.items():
+        by_track.setdefault((e.get("pid", 0), (e.get("pid"), e.get("tid")) in supervisor_threads), []).append(e)
+    for (pid, of_supervisor), group in by_track.items():
+        process = "supervisor" if of_supervisor else names.get(pid, f"pid {pid}")
         group.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0))))
         open_ends: list[tuple[float, float]] = []  # (ts, end) of the spans enclosing the next one
         for e in group:
             ts, dur = float(e["ts"]), float(e.get("dur", 0))
             while open_ends and not (open_ends[-1][0] <= ts and ts + dur <= open_ends[-1][1] + _SLACK_US):
                 open_ends.pop()
-            spans.append(Span(process=names.get(pid, f"pid {pid}"), pid=pid, name=str(e.get("name", "?")),
+            spans.append(Span(process=process, pid=pid, name=str(e.get("name", "?")),
                               start_s=(ts - origin) / 1e6, dur_s=dur / 1e6, depth=len(open_ends),
                               args=dict(e.get("args") or {})))
             open_ends.append((ts, ts + dur))
@@ -74,7 +78,7 @@ def parse_trace(document: dict[str, Any] | list[dict[str, Any]]) -> list[Span]:
 
 
 def processes(spans: list[Span]) -> list[str]:
-    """The tracks in reading order: cli, supervisor, frontend, engine-core, worker-0, worker-1, ...,
+    """The tracks in reading order: cli, llm, supervisor, frontend, engine_core, worker:0, worker:1, ...,
     then any other by its first span."""
     first: dict[str, float] = {}
     for s in spans:
@@ -83,7 +87,7 @@ def processes(spans: list[Span]) -> list[str]:
     def key(process: str) -> tuple[int, int, float]:
         if process in ROLE_ORDER:
             return (ROLE_ORDER.index(process), 0, 0.0)
-        worker = re.fullmatch(r"worker-(\d+)", process)
+        worker = re.fullmatch(r"worker:(\d+)", process)
         if worker:
             return (len(ROLE_ORDER), int(worker.group(1)), 0.0)
         return (len(ROLE_ORDER) + 1, 0, first[process])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loom_plugin_api.tracing import span
+
 from .. import platforms
 from ..logger import init_logger
 from .cache import CacheConfig
@@ -31,7 +33,8 @@ class LoomConfig:
 
     def __post_init__(self) -> None:
         current_platform = platforms.current_platform
-        current_platform.apply_config_platform_defaults(self)
+        with span("platform hook apply_config_platform_defaults"):
+            current_platform.apply_config_platform_defaults(self)
         custom_ops = self.compilation_config.custom_ops
         if all(base not in custom_ops for base in ("all", "none")):
             # loom runs eagerly (no graph compiler fuses ops for it), so the platform's
@@ -39,7 +42,8 @@ class LoomConfig:
             custom_ops.append("all")
         logger.debug("custom_ops before the platform's check: %s", custom_ops)
         worker_cls_chosen_by_user = self.parallel_config.worker_cls != "auto"
-        current_platform.check_and_update_config(self)
+        with span("platform hook check_and_update_config"):
+            current_platform.check_and_update_config(self)
         # The platform may have replaced the list; validate what it left.
         CompilationConfig(custom_ops=list(self.compilation_config.custom_ops))
         if self.parallel_config.worker_cls == "auto":
@@ -49,7 +53,8 @@ class LoomConfig:
             )
         # worker_cls, the attention backend and the communicator import and subclass the
         # contract's bases: a wrong name stops here, in this process, before anything is spawned.
-        platforms.validate_platform_names(self, worker_cls_chosen_by_user=worker_cls_chosen_by_user)
+        with span("check the platform's class names"):
+            platforms.validate_platform_names(self, worker_cls_chosen_by_user=worker_cls_chosen_by_user)
         self._verify_tensor_parallel()
         max_len = self.model_config.max_model_len
         sched = self.scheduler_config

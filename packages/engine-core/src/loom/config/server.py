@@ -47,6 +47,11 @@ def _api_key_file(path: str) -> str:
     return path
 
 
+SERVE_START_ENV = "LOOM_SERVE_START_NS"
+"""When ``loom serve`` started (``time.time_ns()``), in every child's environment: the front end's
+ready line says how long start-up took."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoRAModulePath:
     """One ``--lora-modules`` entry: an adapter's name and its PEFT directory."""

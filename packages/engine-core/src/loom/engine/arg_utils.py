@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from loom_plugin_api import load_general_plugins
+from loom_plugin_api import Platform, load_general_plugins
+from loom_plugin_api.tracing import span
 
 from .. import envs, platforms
 from ..config import (
@@ -122,19 +123,19 @@ class EngineArgs:
 
     def create_engine_config(self) -> LoomConfig:
         """Build the ``LoomConfig`` (start-up stops 5-7), in the process that parsed the args."""
+        with span("build config"):
+            return self._create_engine_config()
+
+    def _create_engine_config(self) -> LoomConfig:
         current_platform = platforms.current_platform  # resolved before the general plugins run
         load_general_plugins()
-        current_platform.pre_register_and_update()
+        with span("platform hook pre_register_and_update"):
+            current_platform.pre_register_and_update()
         device_config = DeviceConfig(device=current_platform.device_type)
-        current_platform.validate_environ(self.fail_on_environ_validation)
-        model_config = ModelConfig(
-            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-            max_model_len=self.max_model_len, quantization=self.quantization,
-            quantization_group_size=self.quantization_group_size,
-            hf_overrides=dict(self.hf_overrides), seed=self.seed,
-            served_model_name=self.served_model_name, device_type=device_config.device_type,
-            platform_dtypes=tuple(current_platform.supported_dtypes),
-        )
+        with span("platform hook validate_environ"):
+            current_platform.validate_environ(self.fail_on_environ_validation)
+        with span("model config", model=str(self.model)):
+            model_config = self._model_config(current_platform, device_config)
         max_len = model_config.max_model_len
         assert max_len is not None
         cache_config = CacheConfig(
@@ -165,6 +166,16 @@ class EngineArgs:
             load_config=LoadConfig(load_format=self.load_format),
             lora_config=LoRAConfig(enable_lora=self.enable_lora, max_loras=self.max_loras,
                                    max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras),
+        )
+
+    def _model_config(self, current_platform: Platform, device_config: DeviceConfig) -> ModelConfig:
+        return ModelConfig(
+            model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+            max_model_len=self.max_model_len, quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size,
+            hf_overrides=dict(self.hf_overrides), seed=self.seed,
+            served_model_name=self.served_model_name, device_type=device_config.device_type,
+            platform_dtypes=tuple(current_platform.supported_dtypes),
         )
 
 

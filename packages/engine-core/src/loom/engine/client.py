@@ -97,6 +97,8 @@ class EngineClient:
         self.stat_loggers = load_stat_loggers(config) if stat_loggers is None else list(stat_loggers)
         self.log_stats_interval = log_stats_interval
         self._on_engine_ready = on_engine_ready
+        self.kv_cache_tokens: int | None = None
+        """The engine's KV-cache size in tokens, once it said it is ready (its process's EngineReady)."""
         self._on_shutdown = on_shutdown
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}

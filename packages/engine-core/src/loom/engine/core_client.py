@@ -82,6 +82,7 @@ class ProcCoreConnection(CoreConnection):
                 if isinstance(body, EngineOutputs):
                     client.on_outputs(body)
                 elif isinstance(body, EngineReady):
+                    client.kv_cache_tokens = body.num_blocks * body.block_size
                     client.on_engine_ready()
                 elif msg.kind is Kind.PEER_DIED:
                     client.on_engine_dead(body.describe() if body is not None else

@@ -15,7 +15,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from loom_plugin_api import load_general_plugins
+from loom_plugin_api import load_general_plugins, tracing
+from loom_plugin_api.tracing import span
 from loom_supervisor.client import REMOTE_DIED, PeerDied
 
 from .. import envs
@@ -64,12 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loom.engine.core_proc")
     parser.add_argument("--step-timeout", type=float, default=0.0, help="seconds a model step may take (0: no limit)")
     args = parser.parse_args(argv)
+    tracing.mark("main")
     load_general_plugins()
     channel = Channel.connect("engine_core")
     config = channel.config()
-    tokenizer = get_tokenizer(config.model_config)
-    executor = _executor(config, channel, args.step_timeout)
-    core = EngineCore(LLMEngine(config, executor, tokenizer))
+    with span("load tokenizer"):
+        tokenizer = get_tokenizer(config.model_config)
+    with span("start the executor: workers load, KV cache sized", waits=True):
+        executor = _executor(config, channel, args.step_timeout)
+    with span("build the engine"):
+        core = EngineCore(LLMEngine(config, executor, tokenizer))
     envs.enable_envs_cache()
     channel.send("frontend", EngineReady(num_blocks=executor.num_blocks, block_size=config.cache_config.block_size))
     channel.ready()

@@ -15,6 +15,7 @@ import pickle
 import socket
 import sys
 
+from loom_plugin_api import tracing
 from loom_supervisor import Plan, ProcessPlan
 
 from ..config import LoomConfig
@@ -95,4 +96,6 @@ def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge
         heartbeat_timeout_s=float(limits.heartbeat_timeout),
         ready_url=server.ready_url if server is not None else None,
         messages_version=MESSAGES_VERSION,
+        # the supervisor adds its spawn, HELLO, CONFIG and READY times to a traced start-up
+        startup_trace_dir=os.environ.get(tracing.TRACE_DIR_ENV) if tracing.enabled() else None,
     )

@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from loom_plugin_api import LoRARequest, SamplingParams
+from loom_plugin_api.tracing import span
 from tqdm import tqdm
 
 from .. import envs
@@ -22,6 +24,7 @@ from ..ipc.messages import AbortRequests, AddRequest
 from ..logger import init_logger
 from ..outputs import RequestOutput
 from ..transformers_utils.tokenizer import get_tokenizer
+from .startup_trace import StartupTrace
 
 logger = init_logger(__name__)
 
@@ -34,15 +37,40 @@ class LLM:
     (``dtype``, ``max_model_len``, ``block_size``, ``seed``, ``hf_overrides``, ...).
 
     ``generate`` drives the same engine loop (``EngineCore.step``) as the engine-core
-    process of ``loom serve``, in the caller's thread, until its requests finish."""
+    process of ``loom serve``, in the caller's thread, until its requests finish.
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    ``startup_trace=FILE`` writes the start-up's phases (this process's, and those of the worker
+    processes of ``tensor_parallel_size > 1``) to FILE as one Chrome trace, like
+    ``loom serve --startup-trace``."""
+
+    def __init__(self, model: str | None = None, *, startup_trace: str | os.PathLike[str] | None = None,
+                 **kwargs: Any) -> None:
         valid = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
         unknown = sorted(set(kwargs) - valid)
         if unknown:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; valid: {', '.join(sorted(valid))}")
+        trace = StartupTrace(startup_trace, "llm", zero_ns=time.time_ns(), root="LLM() start-up until ready") \
+            if startup_trace is not None else None
+        try:
+            self._start(model, kwargs)
+        finally:
+            if trace is not None:
+                trace.finish(ready_ns=time.time_ns())
+
+    def _start(self, model: str | None, kwargs: dict[str, Any]) -> None:
         self.config = EngineArgs(model=model, **kwargs).create_engine_config()
-        self.tokenizer = get_tokenizer(self.config.model_config)
+        with span("load tokenizer"):
+            self.tokenizer = get_tokenizer(self.config.model_config)
+        with span("start the executor: workers load, KV cache sized"):
+            executor = self._executor()
+        with span("build the engine"):
+            self.llm_engine = LLMEngine(self.config, executor, self.tokenizer)
+            self.engine_core = EngineCore(self.llm_engine)
+        self._ids = itertools.count()
+        envs.enable_envs_cache()
+        logger.info("LLM is ready: %s", self.config.model_config.served_model_name)
+
+    def _executor(self) -> Executor:
         executor: Executor
         if self.config.parallel_config.uses_ray:
             for key, value in RAY_DRIVER_ENV.items():
@@ -57,11 +85,7 @@ class LLM:
             executor = SupervisedExecutor(self.config)
         else:
             executor = UniProcExecutor(self.config)
-        self.llm_engine = LLMEngine(self.config, executor, self.tokenizer)
-        self.engine_core = EngineCore(self.llm_engine)
-        self._ids = itertools.count()
-        envs.enable_envs_cache()
-        logger.info("LLM is ready: %s", self.config.model_config.served_model_name)
+        return executor
 
     def shutdown(self) -> None:
         """Stop the engine and its worker processes (also done when the LLM is collected)."""

@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import TYPE_CHECKING
 
+from loom_plugin_api import tracing
+from loom_plugin_api.tracing import span
+
 from ..config import LoomConfig
-from ..config.server import ServerConfig, parse_lora_module
+from ..config.server import SERVE_START_ENV, ServerConfig, parse_lora_module
 from ..engine.arg_utils import EngineArgs
 from ..lora.peft import check_adapter
 from .chat_utils import load_chat_template
@@ -34,15 +38,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def plan_from_args(args: argparse.Namespace) -> Plan:
     """The config first (its errors end a serve before anything else), then the plan."""
     server = ServerConfig.from_cli_args(args)
+    # the front end's ready line counts from here (the CLI's own start, where /proc tells it)
+    os.environ[SERVE_START_ENV] = str(tracing.process_start_ns() or time.time_ns())
     # The template text, read and checked once here (before the model loads): the front end takes it as is.
     server.chat_template = load_chat_template(server.chat_template)
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    _check_lora_modules(server, config)
+    with span("check the LoRA adapters"):
+        _check_lora_modules(server, config)
     try:
         from ..engine.launch import build_plan  # lazy: loom_supervisor is an optional wheel
     except ImportError as e:
         raise ImportError(f"loom serve needs the supervisor: pip install ./supervisor-rs (loom-supervisor); {e}") from None
-    return build_plan(config, server)
+    with span("build the launch plan"):
+        return build_plan(config, server)
 
 
 def _check_lora_modules(server: ServerConfig, config: LoomConfig) -> None:

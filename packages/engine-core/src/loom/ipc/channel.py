@@ -14,6 +14,8 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+from loom_plugin_api import tracing
+from loom_plugin_api.tracing import span
 from loom_supervisor import client
 from loom_supervisor.client import Client, PeerDied, ProtocolError
 
@@ -47,15 +49,24 @@ class Channel:
     @classmethod
     def connect(cls, role: str, rank: int = 0) -> Channel:
         """Connect to the supervisor that spawned this process: HELLO, then CONFIG."""
-        conn = client.connect(os.environ[client.ENV_SOCKET], role, rank)
-        config_bytes = conn.hello(role, rank, MESSAGES_VERSION)
+        with span("connect, HELLO, wait for CONFIG", waits=True):
+            conn = client.connect(os.environ[client.ENV_SOCKET], role, rank)
+            config_bytes = conn.hello(role, rank, MESSAGES_VERSION)
         return cls(conn, role_name(role, rank), config_bytes)
 
     def config(self) -> Any:
         """The LoomConfig from CONFIG (built once, in the CLI process)."""
-        return pickle.loads(self._config_bytes)
+        with span("unpickle the config"):
+            return pickle.loads(self._config_bytes)
 
     def ready(self) -> None:
+        """READY to the supervisor; a traced start-up writes this process's spans first."""
+        tracing.mark("ready")
+        if tracing.enabled():
+            try:
+                tracing.flush()
+            except OSError as e:  # the trace is lost; the serve is not
+                logger.warning("Could not write the start-up trace: %s", e)
         self._conn.ready()
 
     def send_to_supervisor(self, kind: str, body: bytes) -> None:

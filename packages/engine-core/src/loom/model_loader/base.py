@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 from loom_plugin_api import ModelRegistry, set_current_config
+from loom_plugin_api.tracing import span
 
 from ..distributed import get_tensor_model_parallel_rank
 from ..layers.onednn import prepack_model
@@ -62,15 +63,18 @@ def get_model(config: LoomConfig, device: torch.device | None = None) -> nn.Modu
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.architecture)
     device = device if device is not None else torch.device(config.device_config.device_type)
     start = time.perf_counter()
-    with set_current_config(config), _default_dtype(model_config.torch_dtype), device:
+    with span("build model", architecture=arch), set_current_config(config), \
+            _default_dtype(model_config.torch_dtype), device:
         model = model_cls(config=config)  # type: ignore[call-arg]
     built = time.perf_counter()
     show_progress = get_tensor_model_parallel_rank() == 0
-    with set_current_config(config):  # ops built at load (quantized layers) follow its custom_ops too
+    # ops built at load (quantized layers) follow its custom_ops too
+    with span("load weights", load_format=load_format), set_current_config(config):
         source = WEIGHT_LOADERS[load_format](model, config, show_progress)
     model.eval()
     if device.type == "cpu":
-        prepack_model(model)
+        with span("prepack weights for oneDNN"):
+            prepack_model(model)
     logger.info(
         "Loaded %s (%s, %s) from %s: built in %.2f s, weights in %.2f s",
         arch, model_cls.__qualname__, model_config.dtype, source, built - start, time.perf_counter() - built,

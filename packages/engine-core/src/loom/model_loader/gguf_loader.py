@@ -25,10 +25,12 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from loom_plugin_api.tracing import span
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .. import envs
 from ..logger import init_logger
+from ..progress import progress_bar
 from ..transformers_utils.config import HFConfig
 from ..transformers_utils.fast_tokenizer import FastTokenizer
 from .gguf_quant import dequantize_q8_0
@@ -322,11 +324,16 @@ def _write_safetensors(path: str, items: Iterable[tuple[str, tuple[int, ...], An
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name, shape, make in items:
-            array = make()
-            if tuple(array.shape) != shape:
-                raise ValueError(f"GGUF tensor {name} dequantized to {array.shape}, expected {shape}")
-            f.write(array.astype("<f4", copy=False).tobytes())
+        with progress_bar(len(items), "Dequantizing GGUF weights", "tensor") as bar:
+            for name, shape, make in items:
+                _write_tensor(f, name, shape, make())
+                bar.update(1)
+
+
+def _write_tensor(f: Any, name: str, shape: tuple[int, ...], array: np.ndarray) -> None:
+    if tuple(array.shape) != shape:
+        raise ValueError(f"GGUF tensor {name} dequantized to {array.shape}, expected {shape}")
+    f.write(array.astype("<f4", copy=False).tobytes())
 
 
 # ---- tokenizer -----------------------------------------------------------------------
@@ -415,7 +422,8 @@ def gguf_weights_file(path: str, cache_root: str | None = None) -> str:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=cache_dir)
         os.close(fd)
         try:
-            _write_safetensors(tmp, _gguf_tensors(meta, _config_dict(meta)))
+            with span("dequantize GGUF weights to fp32", file=os.path.basename(path)):
+                _write_safetensors(tmp, _gguf_tensors(meta, _config_dict(meta)))
             os.replace(tmp, weights)  # atomic: a reader sees no file or the whole file
         finally:
             if os.path.exists(tmp):
@@ -457,7 +465,8 @@ def ensure_gguf_cache(path: str, cache_root: str | None = None) -> str:
             shutil.rmtree(cache_dir)
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
         try:
-            _convert(os.path.abspath(path), tmp)
+            with span("convert GGUF metadata and tokenizer", file=os.path.basename(path)):
+                _convert(os.path.abspath(path), tmp)
             os.rename(tmp, cache_dir)
         finally:
             if os.path.isdir(tmp):

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from loom_plugin_api.ops import QuantizedLinear, QuantizedWeight
 
+from ..distributed import get_tensor_model_parallel_rank
 from ..layers.linear import LinearBase
 from ..layers.logits_processor import LogitsProcessor
 from ..layers.quantized import (
@@ -40,6 +41,7 @@ from ..layers.quantized import (
     runs_a_kernel,
 )
 from ..logger import init_logger
+from ..progress import progress_bar
 from .base import load_weights_into
 from .gguf_loader import cached_gguf_entries, dequantized, reverse_permute
 from .gguf_quant import BITS, GROUP_SIZE, split_blocks
@@ -80,16 +82,25 @@ def _choose_quantized_layers(model: nn.Module, entries: list) -> dict[str, int]:
 
 def _tensors(model: nn.Module, entries: list, chosen: dict[str, int], source: str
              ) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, shape, tensor, n_head in entries:
-        if name.endswith(".weight") and _module_of(model, name) in chosen:
-            parts = split_blocks(tensor.data.reshape(shape[0], -1), tensor.type_name)
-            if n_head is not None:
-                parts = tuple(reverse_permute(a, n_head) for a in parts)
-            base = name.removesuffix("weight")
-            for suffix, array in zip(QPARAMS, parts):
-                yield base + suffix, torch.from_numpy(np.ascontiguousarray(array))
-            continue
-        yield name, torch.from_numpy(dequantized(tensor, tensor.type_name, shape, n_head, source))
+    with progress_bar(len(entries), "Loading GGUF weights", "tensor",
+                      disable=get_tensor_model_parallel_rank() != 0) as bar:
+        for entry in entries:
+            yield from _entry_tensors(model, entry, chosen, source)
+            bar.update(1)
+
+
+def _entry_tensors(model: nn.Module, entry: tuple, chosen: dict[str, int], source: str
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    name, shape, tensor, n_head = entry
+    if name.endswith(".weight") and _module_of(model, name) in chosen:
+        parts = split_blocks(tensor.data.reshape(shape[0], -1), tensor.type_name)
+        if n_head is not None:
+            parts = tuple(reverse_permute(a, n_head) for a in parts)
+        base = name.removesuffix("weight")
+        for suffix, array in zip(QPARAMS, parts):
+            yield base + suffix, torch.from_numpy(np.ascontiguousarray(array))
+        return
+    yield name, torch.from_numpy(dequantized(tensor, tensor.type_name, shape, n_head, source))
 
 
 def _quantized_head(model: nn.Module, entries: list, dtype: torch.dtype) -> QuantizedLinear | None:

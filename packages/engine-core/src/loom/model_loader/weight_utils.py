@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from tqdm import tqdm
+
+from ..progress import progress_bar
 
 __all__ = ["default_weight_loader", "safetensors_files", "safetensors_weights_iterator"]
 
@@ -52,8 +52,7 @@ def safetensors_weights_iterator(files: list[str], show_progress: bool = True) -
     for path in files:
         f = open_file(path)
         counts.append(len(list(f.keys())))
-    bar = tqdm(total=sum(counts), desc="Loading weights", unit="tensor", file=sys.stderr,
-               disable=not show_progress, leave=False, mininterval=0.5)
+    bar = progress_bar(sum(counts), "Loading weights", "tensor", disable=not show_progress)
     try:
         for path in files:
             f = open_file(path)

@@ -30,6 +30,7 @@ from loom_plugin_api import PLATFORM_PLUGINS_GROUP, Platform, PlatformError, loa
 from loom_plugin_api import context as _plugin_context
 from loom_plugin_api._qualname import resolve_obj_by_qualname
 from loom_plugin_api.loader import plugin_records
+from loom_plugin_api.tracing import span
 from loom_plugin_api.validation import validate_platform_cls, validate_worker_cls
 
 from .. import envs
@@ -153,7 +154,8 @@ _verdicts: list[DetectorVerdict] = []
 def _run_detector(name: str, func: Callable[[], str | None], builtin: bool) -> DetectorVerdict:
     verdict = DetectorVerdict(name=name, builtin=builtin)
     try:
-        answer = func()
+        with span(f"platform detector {name}", builtin=builtin):
+            answer = func()
     except _NotAvailable as e:
         verdict.reason = str(e)
     except Exception as e:  # reported at WARNING and shown by `loom plugins`, never hidden
@@ -308,7 +310,8 @@ def _get_current_platform() -> Platform:
         raise _resolution_error  # detectors run once per process, even when resolution failed
     if _current_platform is None:
         try:
-            _current_platform = resolve_current_platform()
+            with span("resolve platform"):
+                _current_platform = resolve_current_platform()
         except PlatformError as e:
             _resolution_error = e
             raise

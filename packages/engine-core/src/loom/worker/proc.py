@@ -17,7 +17,7 @@ import signal
 import sys
 import traceback
 
-from loom_plugin_api import WorkerBase, load_general_plugins
+from loom_plugin_api import WorkerBase, load_general_plugins, tracing
 from loom_plugin_api.step import SchedulerOutput
 
 from .. import envs
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loom.worker.proc")
     parser.add_argument("--rank", type=int, required=True)
     rank = parser.parse_args(argv).rank
-
+    tracing.mark("main")
     load_general_plugins()  # the platform is resolved: importing current_platform above did it
     channel = Channel.connect("worker", rank)
     config = channel.config()

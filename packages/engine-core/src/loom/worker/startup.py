@@ -11,6 +11,7 @@ engine about its memory; :func:`allocate` takes the engine's answer.
 from __future__ import annotations
 
 from loom_plugin_api import WorkerBase
+from loom_plugin_api.tracing import span
 
 from ..config import LoomConfig
 from ..ipc.messages import WorkerInfo
@@ -26,26 +27,35 @@ def build_worker(config: LoomConfig, rank: int, distributed_init_method: str | N
                  local_rank: int | None = None) -> WorkerBase:
     """``local_rank`` (the device index this process uses) defaults to ``rank``: every rank of a
     serve on this machine sees every device."""
-    current_platform.register_triton_kernel_overrides()
-    worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
+    with span("platform hook register_triton_kernel_overrides"):
+        current_platform.register_triton_kernel_overrides()
+    with span("resolve worker class", worker_cls=config.parallel_config.worker_cls):
+        worker_cls = resolve_worker_cls(config.parallel_config.worker_cls)
     logger.info("Worker rank %d resolved worker class %s", rank, config.parallel_config.worker_cls)
-    worker = worker_cls(
-        config, local_rank=rank if local_rank is None else local_rank, rank=rank,
-        distributed_init_method=distributed_init_method,
-        is_driver_worker=rank == 0, services=EngineWorkerServices(),
-    )
-    worker.init_device()
-    worker.load_model()
-    current_platform.update_block_size_for_backend(config)
+    with span("construct worker"):
+        worker = worker_cls(
+            config, local_rank=rank if local_rank is None else local_rank, rank=rank,
+            distributed_init_method=distributed_init_method,
+            is_driver_worker=rank == 0, services=EngineWorkerServices(),
+        )
+    with span("init_device"):
+        worker.init_device()
+    with span("load_model"):
+        worker.load_model()
+    with span("platform hook update_block_size_for_backend"):
+        current_platform.update_block_size_for_backend(config)
     return worker
 
 
 def offer(worker: WorkerBase, config: LoomConfig, rank: int) -> WorkerInfo:
     """The memory this rank can give the KV cache, and what one block costs it."""
-    return WorkerInfo(rank=rank, available_bytes=worker.determine_available_memory(),
+    with span("determine_available_memory"):
+        available = worker.determine_available_memory()
+    return WorkerInfo(rank=rank, available_bytes=available,
                       block_bytes=worker.get_kv_cache_block_bytes(), block_size=config.cache_config.block_size)
 
 
 def allocate(worker: WorkerBase, config: LoomConfig, num_blocks: int) -> None:
     config.cache_config.num_blocks = num_blocks
-    worker.initialize_cache(num_blocks)
+    with span("initialize_cache", num_blocks=num_blocks):
+        worker.initialize_cache(num_blocks)

@@ -6,8 +6,11 @@ import argparse
 import importlib
 import sys
 
+from loom_plugin_api import tracing
+
 from ... import __version__
 from ...logger import init_logger
+from .. import startup_trace
 
 logger = init_logger(__name__)
 
@@ -43,6 +46,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if _chosen(argv) == "serve" and startup_trace.requested(argv):
+        startup_trace.begin("cli")  # before the parser: the CLI's plugins and config are spans too
+        tracing.mark("main")
     try:
         parser = build_parser(argv)
         args = parser.parse_args(argv)
