@@ -82,10 +82,10 @@ def test_missing_resources_are_named_per_node(cluster, tiny_llama):
     assert _left_in(cluster) == ([], [])
 
 
-def _serve(cluster_: Cluster, model, tmp_path, name: str):
+def _serve(cluster_: Cluster, model, tmp_path, name: str, *extra: str):
     return serving([str(model), "--tensor-parallel-size", "2", "--distributed-executor-backend", "ray",
                     "--ray-address", cluster_.address, "--ray-placement-strategy", "STRICT_SPREAD",
-                    "--max-model-len", "128", "--dtype", "float32"], tmp_path, name=name)
+                    "--max-model-len", "128", "--dtype", "float32", *extra], tmp_path, name=name)
 
 
 def _listening_on(pid: int, port: int) -> list[str]:
@@ -107,7 +107,9 @@ def test_serve_on_ray_answers_and_drains(cluster, tiny_llama, tmp_path):
     prompt = "Hello, my name is"
     want = LLM(str(tiny_llama), dtype="float32", max_model_len=128).generate(
         prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0].outputs[0].text
-    with _serve(cluster, tiny_llama, tmp_path, "drain") as serve:
+    trace = tmp_path / "startup.json"
+    with _serve(cluster, tiny_llama, tmp_path, "drain", "--startup-trace", str(trace)) as serve:
+        ranks = {f"worker:{r}": _rank_pid(serve, r) for r in (0, 1)}
         client = openai.OpenAI(base_url=serve.url + "/v1", api_key="none", max_retries=0)
         r = client.completions.create(model=tiny_llama.name, prompt=prompt, max_tokens=10, temperature=0,
                                       extra_body={"ignore_eos": True})
@@ -131,6 +133,11 @@ def test_serve_on_ray_answers_and_drains(cluster, tiny_llama, tmp_path):
         assert ("".join(text), done) == (want, True)
         assert serve.wait(timeout=60) == 0, serve.log[-3000:]
     assert "(worker:1@" in serve.log  # the ranks' lines reach the serve's output, named
+    # the actors (on this machine: the cluster's nodes share it) are tracks of the start-up trace
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    assert {k: tracks.get(k) for k in ranks} == ranks
+    assert {(e["pid"], e["name"]) for e in events if e["name"] == "load_model"} == {(p, "load_model") for p in ranks.values()}
     assert "Worker rank 1 shut down" in serve.log  # shutdown() ran: the ranks were stopped, not left to Ray
     assert _left_in(cluster) == ([], [])
 

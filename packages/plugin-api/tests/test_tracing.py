@@ -80,3 +80,18 @@ def test_a_child_records_when_its_environment_names_the_directory(tmp_path):
     files = list(tmp_path.glob("engine_core-*.json"))  # written at exit; no rank for a unique role
     assert len(files) == 1
     assert [s[0] for s in json.loads(files[0].read_text())["spans"]] == ["work"]
+
+
+def test_a_directory_removed_after_the_merge_is_not_made_again(tmp_path):
+    trace = tmp_path / "trace"
+    tracing.start_recording(trace, "frontend")
+    try:
+        with tracing.span("late"):
+            pass
+        trace.rmdir()  # the process that asked merged the trace and removed its directory
+        with pytest.raises(OSError):
+            tracing.flush()
+        tracing._at_exit()  # a later exit says nothing and leaves nothing
+        assert not trace.exists()
+    finally:
+        tracing._recorder = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "TRACE_DIR_ENV", "enabled", "flush", "mark", "process_start_ns", "record", "span", "start_recording",
+    "TRACE_DIR_ENV", "enabled", "flush", "mark", "process_start_ns", "ready", "record", "span", "start_recording",
     "stop_recording",
 ]
 
@@ -107,7 +108,8 @@ class _Recorder:
                 "spans": [[n, s, e, t, _jsonable(a)] for n, s, e, t, a in self.spans],
             }
             self.written = len(self.spans)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # never made here: once the trace is merged its directory is gone, and a process
+        # exiting later must not leave it behind again
         path = self.path
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(doc))
@@ -154,10 +156,25 @@ def flush() -> Path | None:
     return None if recorder is None else recorder.write()
 
 
+def ready() -> None:
+    """This process's start-up is over: mark ``ready`` and write its spans (loom calls it just
+    before READY). A file that cannot be written (a Ray actor on another machine, where the
+    trace's directory does not exist) loses this process's spans, never its start-up."""
+    recorder = _recorder
+    if recorder is None:
+        return
+    mark("ready")
+    try:
+        recorder.write()
+    except OSError as e:
+        logging.getLogger("loom.tracing").warning("Could not write the start-up spans to %s: %s", recorder.path, e)
+
+
 def start_recording(directory: str | os.PathLike[str], role: str, rank: int | None = None) -> None:
     """Record this process's spans for a trace in ``directory`` (the process that asked for the
     trace; the processes it starts find the directory in ``LOOM_STARTUP_TRACE_DIR``)."""
     global _recorder
+    os.makedirs(directory, exist_ok=True)
     _recorder = _Recorder(os.fspath(directory), role, rank)
 
 

@@ -61,12 +61,7 @@ class Channel:
 
     def ready(self) -> None:
         """READY to the supervisor; a traced start-up writes this process's spans first."""
-        tracing.mark("ready")
-        if tracing.enabled():
-            try:
-                tracing.flush()
-            except OSError as e:  # the trace is lost; the serve is not
-                logger.warning("Could not write the start-up trace: %s", e)
+        tracing.ready()
         self._conn.ready()
 
     def send_to_supervisor(self, kind: str, body: bytes) -> None:

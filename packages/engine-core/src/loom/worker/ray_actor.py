@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 import ray
-from loom_plugin_api import load_general_plugins
+from loom_plugin_api import load_general_plugins, tracing
 from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
 
 from .. import envs
@@ -75,6 +75,7 @@ class RayWorker:
     def allocate(self, num_blocks: int) -> None:
         allocate(self.worker, self.config, num_blocks)
         envs.enable_envs_cache()
+        tracing.ready()  # a traced start-up: the serve's LOOM_* variables reached this actor too
         logger.info("Worker rank %d is ready", self.rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
