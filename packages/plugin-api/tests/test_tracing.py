@@ -95,3 +95,15 @@ def test_a_directory_removed_after_the_merge_is_not_made_again(tmp_path):
         assert not trace.exists()
     finally:
         tracing._recorder = None
+
+
+def test_a_program_a_waiting_shell_execs_starts_when_python_does(tmp_path):
+    import subprocess
+    import sys
+
+    # the shell sleeps, then execs Python in its own process (as `bash -c "pip ... && loom serve"` may)
+    code = "import time; from loom_plugin_api import tracing; print(time.time_ns() - tracing.process_start_ns())"
+    script = f"sleep 2; exec {sys.executable} -c '{code}'"
+    age_ns = int(subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True,
+                                timeout=60).stdout)
+    assert 0 < age_ns < 1.5e9  # not the 2 s the shell waited
