@@ -60,6 +60,15 @@ def tiny_opt(models_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
+def every_installed_plugin_no_key():
+    """``every_installed_plugin``, and no ``LOOM_API_KEY``: for modules whose serves set their key themselves."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("LOOM_PLUGINS", "LOOM_PLATFORM", "LOOM_API_KEY"):
+            mp.delenv(name, raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
 def every_installed_plugin():
     """For modules whose child processes inherit this environment: they load every installed
     plugin and detect the platform, whatever LOOM_PLUGINS / LOOM_PLATFORM the caller has set."""

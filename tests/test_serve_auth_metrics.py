@@ -24,13 +24,8 @@ UNAUTHORIZED = {"error": {"message": "Incorrect or missing API key; send it as '
                           "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def clean_env() -> Iterator[None]:
-    """The serves inherit this environment: every installed plugin, the detected platform, no key."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("LOOM_PLUGINS", "LOOM_PLATFORM", "LOOM_API_KEY"):
-            mp.delenv(name, raising=False)
-        yield
+# the serves inherit this environment: every installed plugin, the detected platform, no key
+pytestmark = pytest.mark.usefixtures("every_installed_plugin_no_key")
 
 
 @pytest.fixture(scope="module")

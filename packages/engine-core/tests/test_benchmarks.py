@@ -4,6 +4,7 @@ start-up trace reader and the Gantt chart (from a synthetic trace in the format
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -116,6 +117,8 @@ def test_trace_tracks_depths_and_order() -> None:
     assert by[("worker:0", "load weights")].args == {"detail": "load weights"}
     assert not any(s.name == "an instant" for s in spans)
     assert [s.name for s in longest(spans, 2)] == ["READY", "load weights"]
+    marked = [dataclasses.replace(s, args={"root": True}) if s.name == "READY" else s for s in spans]
+    assert [s.name for s in longest(marked, 1)] == ["load weights"]  # a whole start-up is not a step
     rows = {r["process"]: r for r in per_process(spans)}
     assert rows["worker:0"]["longest"] == "load weights" and rows["worker:0"]["end_s"] == pytest.approx(3.7)
     assert parse_trace({"traceEvents": []}) == [] and parse_trace(synthetic_trace()["traceEvents"]) == spans

@@ -151,7 +151,8 @@ def mark(name: str) -> None:
 
 
 def flush() -> Path | None:
-    """Write this process's spans now (loom calls it just before READY); the file's path."""
+    """Write this process's spans now; the file's path (:func:`ready` is the same at the end of
+    start-up, with a write error logged instead of raised)."""
     recorder = _recorder
     return None if recorder is None else recorder.write()
 

@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..entrypoints.startup_trace import ROOT, WAITING
+
 ROLE_ORDER = ("cli", "llm", "supervisor", "frontend", "engine_core")
 _SLACK_US = 1.0  # a child rounded to the microsecond may end just past its parent
 
@@ -96,7 +98,10 @@ def processes(spans: list[Span]) -> list[str]:
 
 
 def longest(spans: list[Span], n: int = 3) -> list[Span]:
-    return sorted(spans, key=lambda s: -s.dur_s)[:n]
+    """The ``n`` longest spans that do work: not a process's whole start-up, not a wait for
+    another process (the merge marks those, see :mod:`loom.entrypoints.startup_trace`)."""
+    work = [s for s in spans if not s.args.get(ROOT) and not s.args.get(WAITING)]
+    return sorted(work, key=lambda s: -s.dur_s)[:n]
 
 
 def per_process(spans: list[Span]) -> list[dict[str, Any]]:
