@@ -21,6 +21,7 @@ from loom_supervisor.client import REMOTE_DIED, PeerDied
 
 from .. import envs
 from ..config import LoomConfig
+from ..gc_heap import freeze_long_lived
 from ..ipc.channel import Channel, Message
 from ..ipc.messages import AbortRequests, AddRequest, EngineReady
 from ..logger import init_logger
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-timeout", type=float, default=0.0, help="seconds a model step may take (0: no limit)")
     args = parser.parse_args(argv)
     tracing.mark("main")
+    freeze_long_lived()  # the imports stay out of every later collection
     load_general_plugins()
     channel = Channel.connect("engine_core")
     config = channel.config()
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore(LLMEngine(config, executor, tokenizer))
     envs.enable_envs_cache()
     channel.send("frontend", EngineReady(num_blocks=executor.num_blocks, block_size=config.cache_config.block_size))
+    freeze_long_lived()  # and the tokenizer, the engine, the executor
     channel.ready()
     logger.info("Engine core is ready")
     # The supervisor stops its children with SIGUSR1: leave the loop through ``finally``, so

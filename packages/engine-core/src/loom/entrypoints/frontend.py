@@ -29,6 +29,7 @@ from ..config import LoomConfig
 from ..config.server import SERVE_START_ENV, ServerConfig, parse_lora_module
 from ..engine.client import EngineClient
 from ..engine.core_client import ProcCoreConnection
+from ..gc_heap import freeze_long_lived
 from ..ipc.channel import Channel
 from ..logger import init_logger
 from ..platforms import current_platform  # importing it resolves the platform, before any plugin
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = ServerConfig.add_cli_args(argparse.ArgumentParser(prog="python -m loom.entrypoints.frontend"))
     server = ServerConfig.from_cli_args(parser.parse_args(argv))
     tracing.mark("main")
+    freeze_long_lived()  # the imports stay out of every later collection
     load_general_plugins()
     channel = Channel.connect("frontend")
     config = channel.config()
@@ -70,6 +72,7 @@ async def _serve(config: LoomConfig, tokenizer: Any, channel: Channel, server: S
             else:
                 tracing.record("wait for the engine core", http_start[0], waits=True)
             if ready_parts == {"engine", "http"}:
+                freeze_long_lived()  # and the app, the tokenizer
                 channel.ready()
                 logger.info("%s", ready_summary(config, server, client.kv_cache_tokens))
 

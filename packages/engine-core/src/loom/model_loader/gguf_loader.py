@@ -33,7 +33,6 @@ from ..logger import init_logger
 from ..progress import progress_bar
 from ..transformers_utils.config import HFConfig
 from ..transformers_utils.fast_tokenizer import FastTokenizer
-from .gguf_quant import dequantize_q8_0
 
 if TYPE_CHECKING:
     import torch
@@ -216,6 +215,9 @@ def dequantized(tensor: Any, type_name: str, shape: tuple[int, ...], n_head: int
     """A GGUF tensor (``GGUFReader``'s or the cache index's) as fp32 in HF order: Q8_0 and
     F32/F16 here (vectorized), other formats through the ``gguf`` package."""
     if type_name == "Q8_0" and len(shape) == 2:
+        # lazy: it imports torch, and the processes that only tokenize import this module
+        from .gguf_quant import dequantize_q8_0
+
         array = dequantize_q8_0(tensor.data.reshape(shape[0], -1))
     elif type_name in ("F32", "F16"):
         array = np.array(tensor.data, dtype=np.float32).reshape(shape)  # a writable copy of the map

@@ -21,6 +21,7 @@ from loom_plugin_api import WorkerBase, load_general_plugins, tracing
 from loom_plugin_api.step import SchedulerOutput
 
 from .. import envs
+from ..gc_heap import freeze_long_lived
 from ..ipc.channel import Channel
 from ..ipc.messages import CacheReady, InitCache, StepError
 from ..logger import init_logger
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     rank = parser.parse_args(argv).rank
     tracing.mark("main")
+    freeze_long_lived()  # the imports: torch's objects stay out of every later collection
     load_general_plugins()  # the platform is resolved: importing current_platform above did it
     channel = Channel.connect("worker", rank)
     config = channel.config()
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     allocate(worker, config, _recv(channel, InitCache).num_blocks)
     envs.enable_envs_cache()
     channel.send("engine_core", CacheReady(rank=rank))
+    freeze_long_lived()  # and the model's
     channel.ready()
     logger.info("Worker rank %d is ready", rank)
     # The supervisor stops its children with SIGUSR1 (they ignore SIGTERM and SIGINT, which

@@ -70,8 +70,8 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The ``(out, in)`` weights, computed in fp32 and returned in ``dtype``."""
         out_features, in_features = self.shape
-        codes = self.qweight.reshape(out_features, in_features // self.group_size, self.group_size).float()
-        w = (codes - 2 ** (self.bits - 1)) * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)
+        w = self.qweight.reshape(out_features, in_features // self.group_size, self.group_size).float()
+        w.sub_(2 ** (self.bits - 1)).mul_(self.scale.unsqueeze(-1)).add_(self.zero.unsqueeze(-1))  # one fp32 copy
         return w.view(out_features, in_features).to(dtype)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
