@@ -30,6 +30,8 @@ bf16 rounding of the scale and zero. The 8-bit kernel keeps them in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -188,6 +190,17 @@ class CpuQuantizedWeight:
             self.codes = weight
         self._weight, self.dtype = weight, dtype
         self._dense: torch.Tensor | None = None
+        # the few-rows path, chosen once: it runs for every linear layer of every decode step
+        # (``few_rows(x)``: ``x @ W.T`` through the codes, or None where no kernel here takes them)
+        self.few_rows: Callable[[torch.Tensor], torch.Tensor | None] = _no_few_rows
+        if self.q4 is not None:
+            self.few_rows = partial(kernels().q4_linear, packed=self.q4)
+        elif self.int4 is not None:
+            self.few_rows = self._few_rows_int4
+        elif self.codes is not None:
+            c = self.codes
+            self.few_rows = partial(kernels().q8_linear, qweight=c.qweight, scale=c.scale, zero=c.zero,
+                                    group_size=c.group_size)
 
     @property
     def reads_codes(self) -> bool:
@@ -222,24 +235,15 @@ class CpuQuantizedWeight:
             return sum(t.numel() * t.element_size() for t in (self.codes.qweight, self.codes.scale, self.codes.zero))
         return self.shape[0] * self.shape[1] * self.dtype.itemsize
 
-    def few_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x @ W.T`` through the codes, or None where no kernel here takes them."""
-        if self.q4 is not None:
-            from ..platforms.cpu_kernels import kernels  # here, not at the top: as in __init__
+    def _few_rows_int4(self, x: torch.Tensor) -> torch.Tensor:
+        packed, scales_and_zeros = self.int4
+        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.shape[1]).contiguous()
+        out = _INT4_MM(rows, packed, self.group_size, scales_and_zeros)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.shape[0])
 
-            return kernels().q4_linear(x, self.q4)
-        if self.int4 is not None:
-            packed, scales_and_zeros = self.int4
-            rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.shape[1]).contiguous()
-            out = _INT4_MM(rows, packed, self.group_size, scales_and_zeros)
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], self.shape[0])
-        if self.codes is not None:
-            # here, not at the top: the platform module imports the kernels' build machinery
-            from ..platforms.cpu_kernels import kernels
 
-            c = self.codes
-            return kernels().q8_linear(x, c.qweight, c.scale, c.zero, c.group_size)
-        return None
+def _no_few_rows(x: torch.Tensor) -> None:
+    return None
 
 
 def cpu_quantized_linear(x: torch.Tensor, weight: CpuQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
