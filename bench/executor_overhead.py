@@ -12,23 +12,10 @@ decode step for each and the difference to ``mp``. Needs Ray (``pip install 'loo
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
-import sys
 import tempfile
 import time
 
-# Python put bench/ first on sys.path, where bench/kernels.py would shadow the `kernels` package
-# that transformers imports when it is installed (Ray's extras bring it); offline_throughput's
-# model builder is loaded by its path instead.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-_spec = importlib.util.spec_from_file_location(
-    "offline_throughput", os.path.join(_HERE, "offline_throughput.py"))
-assert _spec is not None and _spec.loader is not None
-_offline = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_offline)
-build_random_model = _offline.build_random_model
+from offline_throughput import build_random_model  # bench/, this script's folder, is first on sys.path
 
 
 def per_step_ms(model: str, steps: int, **engine: object) -> float:

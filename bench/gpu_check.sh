@@ -6,7 +6,7 @@
 #   there:  bash bench/gpu_check.sh    # with .whl carried; step time limits add up to 7.5 minutes
 #
 # 1. the CUDA platform's tests on the GPU (kernels against torch, the worker's graphs);
-# 2. bench/kernels.py (achieved GB/s and TFLOP/s against the device's peak and torch);
+# 2. bench/gpu_kernels.py (achieved GB/s and TFLOP/s against the device's peak and torch);
 # 3. `loom serve` with bench/serve_throughput.py: an OPT-125m-shaped model (also against
 #    loom.LLM offline) and a SmolLM2-135M-shaped one (random weights: the 98 MB GGUF of the
 #    default model cannot travel), bf16, 256 prompts x (128 in, 128 out) at once.
@@ -42,7 +42,7 @@ nvidia-smi -L | tee "$OUT/env.log"
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   | tee -a "$OUT/env.log"
 run platform-tests 120 "$PY" -m pytest -q -p no:cacheprovider packages/platform-cuda/tests
-run kernels-bench 100 "$PY" bench/kernels.py
+run kernels-bench 100 "$PY" bench/gpu_kernels.py
 run serve-opt-125m 130 "$PY" bench/serve_throughput.py --model opt-125m --dtype bfloat16 \
   --num-prompts 256 --input-len 128 --output-len 128 --compare-offline
 run serve-smollm2-shape 100 "$PY" bench/serve_throughput.py --model smollm2-shape --dtype bfloat16 \

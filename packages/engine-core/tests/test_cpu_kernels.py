@@ -374,3 +374,31 @@ def test_q4_linear_does_not_depend_on_the_thread_count(k):
                 assert torch.equal(one, two)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 2048), (200, 2048), (3, 40), (5, 7), (2, 16)])
+def test_row_argmax_is_torch_max_with_the_first_index(k, dtype, rows, n):
+    g = torch.Generator().manual_seed(rows * n)
+    # a strided view of a wider matrix, as the LM head's padded chunks are; few distinct values, so
+    # most rows hold ties across lanes and in the tail
+    x = torch.randint(-3, 4, (rows, n + 5), generator=g).to(dtype)[:, :n]
+    x[0, n // 2] = float("-inf")
+    want_val, want_idx = torch.max(x, dim=-1)
+    val, idx = k.row_argmax(x)
+    assert val.dtype == torch.float32 and idx.dtype == torch.int64
+    torch.testing.assert_close(val, want_val.float(), rtol=0, atol=0)
+    assert torch.equal(idx, want_idx)
+
+
+def test_row_argmax_edge_rows_and_refusals(k):
+    x = torch.full((3, 33), float("-inf"))
+    x[1, 32] = 1.0  # the largest value alone in the tail
+    x[2, 5] = x[2, 20] = 2.0  # a tie across lanes: the first index
+    val, idx = k.row_argmax(x)
+    assert idx.tolist() == [0, 32, 5] and val.tolist() == [float("-inf"), 1.0, 2.0]
+    assert k.row_argmax(torch.zeros(2, 8, dtype=torch.float16)) is None  # no kernel for fp16
+    assert k.row_argmax(torch.zeros(8, 2).t()) is None  # rows with a stride inside
+    assert k.row_argmax(torch.zeros(4)) is None and k.row_argmax(torch.zeros(2, 0)) is None
+    val, idx = k.row_argmax(torch.zeros(0, 8))
+    assert val.shape == idx.shape == (0,)

@@ -1,7 +1,9 @@
 """The CPU platform's fused kernels for the replaceable ops: ``rms_norm``, ``silu_and_mul`` and
 ``rotary_embedding`` (``loom_plugin_api.KERNEL_SIGNATURES``), from ``cpu_kernels.c``; and
 ``CpuKernels.q8_linear`` and ``CpuKernels.q4_linear``, the decode matmuls by an 8-bit and a 4-bit
-group-wise quantized weight (the 4-bit codes packed once by :func:`pack_q4`).
+group-wise quantized weight (the 4-bit codes packed once by :func:`pack_q4`); and
+``CpuKernels.row_argmax``, the running max of greedy sampling over the LM head's vocabulary chunks
+(``layers/logits_processor.py`` calls it on the CPU platform).
 
 ``CpuPlatform.register_triton_kernel_overrides`` calls :func:`install` in every worker: it
 compiles the C file with the machine's compiler (cached next to the paged-decode kernel, see
@@ -45,6 +47,7 @@ _ARGTYPES = {
     "rotary": [_PTR, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _INT, _INT],
     "q8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
     "q4_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
+    "row_argmax": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
 }
 # q4_linear_bf16 takes the bf16 (scale, zero) pairs as one array: no separate zero pointer
 _ARGTYPES_BF16 = {"q4_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT]}
@@ -235,6 +238,20 @@ class CpuKernels:
         return None if rc else out  # nonzero: out of memory for the fp32 copy of x (the checks above cover the rest)
 
 
+    def row_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``x.max(dim=-1)`` of a (rows, n) CPU tensor with a unit inner stride, n >= 1: the
+        largest value of each row (float32) and the index of its first occurrence (int64); None
+        where the kernel cannot take it (dtype, shape, strides, device). A NaN never wins here."""
+        fn = self._fns.get(("row_argmax", x.dtype))
+        if fn is None or x.dim() != 2 or not x.is_cpu or x.stride(1) != 1 or not x.shape[1]:
+            return None
+        rows = x.shape[0]
+        val = torch.empty(rows, dtype=torch.float32)
+        idx = torch.empty(rows, dtype=torch.int64)
+        if rows:
+            fn(x.data_ptr(), x.stride(0), rows, x.shape[1], val.data_ptr(), idx.data_ptr(), torch.get_num_threads())
+        return val, idx
+
     pack_q4 = staticmethod(pack_q4)
 
     def q4_linear(self, x: torch.Tensor, packed: PackedQ4) -> torch.Tensor | None:
@@ -317,6 +334,12 @@ def _self_check(k: CpuKernels) -> None:
             want = _native_rotary(pos, qkv[:, :64].clone(), qkv[:, 64:].clone(), 16, cache, neox)
             q, kk = qkv[:, :64].clone(), qkv[:, 64:].clone()
             checks.append(("rotary_embedding", k.rotary_embedding(pos, q, kk, 16, cache, neox), want))
+        # row_argmax: a tie inside a row (the first index wins), a row of -inf, a tail of 8
+        am = torch.randn(4, 40, generator=g).to(dtype)
+        am[1, 3] = am[1, 37] = am[1].max() + 1
+        am[2] = float("-inf")
+        val, idx = torch.max(am, dim=-1)
+        checks.append(("row_argmax", k.row_argmax(am), (val.float(), idx.float())))
         for name, got, want in checks:
             for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):

@@ -1,7 +1,7 @@
 """Triton kernels of loom-platform-cuda against torch, as fractions of the device's peak.
 
-    python bench/kernels.py            # every case
-    python bench/kernels.py --quick    # the headline decode case and one case per kernel
+    python bench/gpu_kernels.py            # every case
+    python bench/gpu_kernels.py --quick    # the headline decode case and one case per kernel
 
 Headline: paged-attention decode, batch 64 x context 2048, 32 query / 8 KV heads, head_size
 128, bf16, block size 16 (goal: >= 70% of HBM bandwidth).
@@ -322,7 +322,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="headline decode and one case per kernel, short timing")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/kernels.py: no CUDA device visible; the Triton kernel benchmark needs one. Nothing to do.")
+        print("bench/gpu_kernels.py: no CUDA device visible; the Triton kernel benchmark needs one. Nothing to do.")
         return 0
     try:
         import loom_platform_cuda  # noqa: F401
