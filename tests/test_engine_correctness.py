@@ -204,3 +204,21 @@ def test_seeded_request_ignores_its_batch_companions(llama):
     shifted = tokens(run(llama, [target], dataclasses.replace(SEEDED, seed=SEEDED.seed + 1)))[0]
     assert [list(c.token_ids) for c in fanned.outputs] == [alone, shifted]
     assert shifted != alone  # the seed decides: the distribution is not too peaked to tell
+
+
+# ---- one stream's decode steps, replayed ------------------------------------------------------
+
+def test_one_stream_replays_its_decode_steps_to_the_eager_answer(engines, model_dir):
+    """The CPU worker captures a lone request's decode step once and replays it
+    (loom.worker.cpu_step_replay): greedy answers equal those of ``enforce_eager`` request after
+    request (new block tables, contexts past block boundaries), and a batch runs eagerly."""
+    replay = engines(model_dir, enable_prefix_caching=False)
+    eager = engines(model_dir, enable_prefix_caching=False, enforce_eager=True)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = random_ids(50, 7, 30, 16)
+    for prompt in prompts:  # one at a time: every decode step has a single request
+        assert tokens(run(replay, [prompt], greedy)) == tokens(run(eager, [prompt], greedy))
+    runner = replay.llm_engine.executor.worker.model_runner
+    assert runner._graph is not None and runner._checked, "the decode step was not captured"
+    assert eager.llm_engine.executor.worker.model_runner._graph is None
+    assert tokens(run(replay, prompts[:2], greedy)) == tokens(run(eager, prompts[:2], greedy))

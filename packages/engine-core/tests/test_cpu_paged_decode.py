@@ -73,7 +73,7 @@ def test_kernel_matches_torch(kernel, dtype, heads, kv_heads, head_size, block_s
     out = torch.full((T, width), 7.0, dtype=dtype)
     scale = head_size**-0.5
     kernel(query, rows_q, rows_req, k_cache, v_cache, tables, ctx_of, out, num_heads=heads,
-           block_size=block_size, max_ctx=int(ctx.max()), scale=scale)
+           block_size=block_size, scale=scale)
     want = _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx_of, heads, block_size, scale)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out[rows_q].double(), want, atol=tol, rtol=tol)
@@ -93,8 +93,7 @@ def test_one_request_splits_heads_across_threads(kernel, threads):
         tables = torch.randperm(64, generator=g).view(1, 64)
         query, out = torch.randn(1, 9 * 64, generator=g), torch.empty(1, 9 * 64)
         one, ctx = torch.zeros(1, dtype=torch.long), torch.tensor([1000])
-        kernel(query, one, one, k_cache, v_cache, tables, ctx, out, num_heads=9, block_size=16, max_ctx=1000,
-               scale=0.125)
+        kernel(query, one, one, k_cache, v_cache, tables, ctx, out, num_heads=9, block_size=16, scale=0.125)
         torch.testing.assert_close(out.double(), _reference(query, one, one, k_cache, v_cache, tables, ctx, 9, 16,
                                                             0.125), atol=1e-5, rtol=1e-5)
     finally:
@@ -106,10 +105,10 @@ def test_kernel_refuses_what_it_cannot_compute(kernel):
     cache = torch.zeros(16, 2, 12)
     with pytest.raises(ValueError, match="head size 12"):
         kernel(torch.zeros(1, 24), z, z, cache, cache, z.view(1, 1), torch.ones(1, dtype=torch.long),
-               torch.zeros(1, 24), num_heads=2, block_size=16, max_ctx=1, scale=1.0)
+               torch.zeros(1, 24), num_heads=2, block_size=16, scale=1.0)
     with pytest.raises(ValueError, match="dtypes or strides"):
         kernel(torch.zeros(1, 128), z, z, torch.zeros(16, 2, 64, dtype=torch.bfloat16), cache, z.view(1, 1),
-               torch.ones(1, dtype=torch.long), torch.zeros(1, 128), num_heads=2, block_size=16, max_ctx=1, scale=1.0)
+               torch.ones(1, dtype=torch.long), torch.zeros(1, 128), num_heads=2, block_size=16, scale=1.0)
     assert not kernel.supports(torch.float32, 12) and kernel.supports(torch.bfloat16, 64)
     assert not kernel.supports(torch.float64, 64)
 

@@ -172,7 +172,7 @@ class CpuKernels:
         if residual is not None:
             res_rows, res_out = _rows(residual), torch.empty(x.shape, dtype=x.dtype)
         rows = xr.shape[0]
-        fn(xr.data_ptr(), xr.stride(0), 0 if res_rows is None else res_rows.data_ptr(),
+        native.call(fn, xr.data_ptr(), xr.stride(0), 0 if res_rows is None else res_rows.data_ptr(),
            0 if res_rows is None else res_rows.stride(0), weight.data_ptr(), out.data_ptr(), n,
            0 if res_out is None else res_out.data_ptr(), n, rows, n, eps, torch.get_num_threads())
         return out if res_out is None else (out, res_out)
@@ -184,7 +184,7 @@ class CpuKernels:
             return SiluAndMul.forward_native(None, x)  # its reference (self unused); odd widths fail there
         xr = _rows(x)
         out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-        fn(xr.data_ptr(), xr.stride(0), out.data_ptr(), d, xr.shape[0], d, torch.get_num_threads())
+        native.call(fn, xr.data_ptr(), xr.stride(0), out.data_ptr(), d, xr.shape[0], d, torch.get_num_threads())
         return out
 
     def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_size: int,
@@ -204,7 +204,7 @@ class CpuKernels:
             positions.to(torch.int64).contiguous()
         cache = cos_sin_cache if cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(1) == 1 else \
             cos_sin_cache.float().contiguous()
-        rc = fn(pos.data_ptr(), query.data_ptr(), query.stride(0), query.shape[1] // head_size, key.data_ptr(),
+        rc = native.call(fn, pos.data_ptr(), query.data_ptr(), query.stride(0), query.shape[1] // head_size, key.data_ptr(),
                 key.stride(0), key.shape[1] // head_size, cache.data_ptr(), cache.stride(0), cache.shape[0], t,
                 head_size, cache.shape[1], int(is_neox_style), torch.get_num_threads())
         if rc:
@@ -233,7 +233,7 @@ class CpuKernels:
         if rows == 0 or n == 0:
             return out
         xr = _rows(x)
-        rc = fn(xr.data_ptr(), xr.stride(0), qweight.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), n,
+        rc = native.call(fn, xr.data_ptr(), xr.stride(0), qweight.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), n,
                 rows, n, k, group_size, torch.get_num_threads())
         return None if rc else out  # nonzero: out of memory for the fp32 copy of x (the checks above cover the rest)
 
@@ -249,7 +249,7 @@ class CpuKernels:
         val = torch.empty(rows, dtype=torch.float32)
         idx = torch.empty(rows, dtype=torch.int64)
         if rows:
-            fn(x.data_ptr(), x.stride(0), rows, x.shape[1], val.data_ptr(), idx.data_ptr(), torch.get_num_threads())
+            native.call(fn, x.data_ptr(), x.stride(0), rows, x.shape[1], val.data_ptr(), idx.data_ptr(), torch.get_num_threads())
         return val, idx
 
     pack_q4 = staticmethod(pack_q4)
@@ -277,11 +277,11 @@ class CpuKernels:
         out = torch.empty(rows, n, dtype=x.dtype)
         if rows and n:
             if packed.scale_zero is None:
-                rc = fn(xr.data_ptr(), xr.stride(0), packed.codes.data_ptr(), packed.scale.data_ptr(),
+                rc = native.call(fn, xr.data_ptr(), xr.stride(0), packed.codes.data_ptr(), packed.scale.data_ptr(),
                         packed.zero.data_ptr(), out.data_ptr(), n, rows, n, k, packed.group_size,
                         torch.get_num_threads())
             else:
-                rc = fn(xr.data_ptr(), xr.stride(0), packed.codes.data_ptr(), packed.scale_zero.data_ptr(),
+                rc = native.call(fn, xr.data_ptr(), xr.stride(0), packed.codes.data_ptr(), packed.scale_zero.data_ptr(),
                         out.data_ptr(), n, rows, n, k, packed.group_size, torch.get_num_threads())
             if rc:
                 return None  # out of memory for the group sums (the checks above cover the rest)

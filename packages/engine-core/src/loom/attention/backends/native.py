@@ -39,7 +39,21 @@ _FLAGS = [
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
-             _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float]
+             _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float]
+
+tape: list | None = None
+"""While a decode step is being captured (``loom.worker.cpu_step_replay``): every compiled
+kernel call of the step, in order, appended by :func:`call`; None otherwise."""
+
+
+def call(fn: ctypes._CFuncPtr, *args: object) -> int:
+    """``fn(*args)``, and the call recorded on the :data:`tape` while a step is captured. Every
+    call into this directory's and ``platforms/cpu_kernels.c``'s kernels goes through here:
+    the arguments are plain ints and floats (pointers, strides, sizes), so the same call
+    replays on the same buffers."""
+    if tape is not None:
+        tape.append((fn, args))
+    return fn(*args)
 
 
 class NativeKernelError(RuntimeError):
@@ -103,7 +117,7 @@ class PagedDecode:
 
     def __call__(self, query: torch.Tensor, rows_q: torch.Tensor, rows_req: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
-                 out: torch.Tensor, *, num_heads: int, block_size: int, max_ctx: int, scale: float) -> None:
+                 out: torch.Tensor, *, num_heads: int, block_size: int, scale: float) -> None:
         """Write into ``out`` the attention of query rows ``rows_q`` over their contexts.
 
         ``query``/``out``: (T, H*D), unit inner stride; ``k_cache``/``v_cache``: (slots, Hk, D)
@@ -117,10 +131,10 @@ class PagedDecode:
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and tables.stride(1) == 1
                 and all(t.dtype == torch.int64 and t.is_contiguous() for t in (rows_q, rows_req, ctx_lens))):
             raise ValueError("paged_decode: dtypes or strides do not match the kernel's layout")
-        rc = fn(query.data_ptr(), query.stride(0), rows_q.data_ptr(), rows_req.data_ptr(),
-                k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-                ctx_lens.data_ptr(), out.data_ptr(), out.stride(0), rows_q.shape[0], num_heads, hk, d,
-                block_size, max_ctx, torch.get_num_threads(), scale)
+        rc = call(fn, query.data_ptr(), query.stride(0), rows_q.data_ptr(), rows_req.data_ptr(),
+                  k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+                  ctx_lens.data_ptr(), out.data_ptr(), out.stride(0), rows_q.shape[0], num_heads, hk, d,
+                  block_size, torch.get_num_threads(), scale)
         if rc == 2:
             raise ValueError(f"paged_decode: head size {d} is not a multiple of 8 up to 256, or {num_heads} "
                              f"heads are not a multiple of {hk} KV heads")
@@ -154,7 +168,7 @@ def _self_check(kernel: PagedDecode) -> None:
         k_cache, v_cache = (torch.randn(blocks * bs, hk, d, generator=g).to(dtype) for _ in range(2))
         out = torch.zeros(3, h * d, dtype=dtype)
         kernel(query, rows_q, rows_req, k_cache, v_cache, tables, ctx, out, num_heads=h, block_size=bs,
-               max_ctx=16, scale=d**-0.5)
+               scale=d**-0.5)
         want = _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx, h, bs, d**-0.5)
         if not torch.allclose(out[rows_q].float(), want, atol=tol, rtol=tol):
             raise NativeKernelError(f"the compiled kernel disagrees with torch in {dtype} "

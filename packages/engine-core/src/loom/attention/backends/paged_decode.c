@@ -119,8 +119,12 @@ int paged_decode_##NAME(                                                        
     const T *query, int64_t q_stride, const int64_t *rows_q, const int64_t *rows_req,          \
     const T *k_cache, const T *v_cache, const int64_t *tables, int64_t bt_stride,              \
     const int64_t *ctx_lens, T *out, int64_t out_stride, int64_t B, int64_t H, int64_t Hk,     \
-    int64_t D, int64_t block_size, int64_t max_ctx, int nthreads, float scale) {               \
+    int64_t D, int64_t block_size, int nthreads, float scale) {                                \
     if (D % 8 || D / 8 > MAX_DV || H % Hk) return 2;                                           \
+    /* the scores' row length: read here, not passed, so a replayed step (same arguments, new  \
+     * lengths) sizes its scratch for the context it has */                                   \
+    int64_t max_ctx = 1;                                                                       \
+    for (int64_t b = 0; b < B; b++) max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;   \
     const int64_t g = H / Hk, dv = D / 8, row = Hk * D;                                        \
     /* work items: a request and a range of its KV heads. A request's block is contiguous     \
      * (block_size x Hk x D), so walking all its heads token by token streams memory; split    \

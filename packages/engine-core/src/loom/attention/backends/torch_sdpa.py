@@ -97,11 +97,16 @@ def build_plan(md: AttentionMetadata, gather_decode: bool = True) -> _Plan:
     decode_rows = [i for i, q in enumerate(q_lens) if q == 1]
     decode = None
     if decode_rows:
-        rows = torch.tensor(decode_rows, dtype=torch.long)
-        ctx = md.seq_lens[rows].contiguous()
+        if len(decode_rows) == md.num_reqs:
+            # decode only: request b is query row b, so the step's own tensors serve as they are
+            # (no new tensor: a captured step replays on them, see loom.worker.cpu_step_replay)
+            rows = token_idx = md.query_start_loc[:-1]
+            ctx = md.seq_lens.contiguous()
+        else:
+            rows = torch.tensor(decode_rows, dtype=torch.long)
+            token_idx, ctx = md.query_start_loc[rows].contiguous(), md.seq_lens[rows].contiguous()
         max_ctx = max(seq_lens[i] for i in decode_rows)
-        decode = _DecodePlan(token_idx=md.query_start_loc[rows].contiguous(), rows=rows, ctx=ctx,
-                             max_ctx=max_ctx, slots=None, mask=None)
+        decode = _DecodePlan(token_idx=token_idx, rows=rows, ctx=ctx, max_ctx=max_ctx, slots=None, mask=None)
         if gather_decode:
             pos = torch.arange(max_ctx)
             valid = pos.unsqueeze(0) < ctx.unsqueeze(1)  # (Bd, max_ctx)
@@ -166,8 +171,7 @@ class TorchSDPAImpl(AttentionImpl):
         if plan.decode is not None and kernel is not None:
             d = plan.decode
             kernel(query, d.token_idx, d.rows, k_cache, v_cache, attn_metadata.block_tables, d.ctx,
-                   out.view(T, H * D), num_heads=H, block_size=attn_metadata.block_size, max_ctx=d.max_ctx,
-                   scale=self.scale)
+                   out.view(T, H * D), num_heads=H, block_size=attn_metadata.block_size, scale=self.scale)
         elif plan.decode is not None:
             d = plan.decode
             Bd = d.token_idx.shape[0]

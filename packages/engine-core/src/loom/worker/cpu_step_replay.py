@@ -1,0 +1,183 @@
+"""One stream's decode step, recorded once and replayed: the CPU's counterpart of CUDA graphs.
+
+A decode step of one request runs the same kernels on the same buffers every time; what
+changes is a handful of values (the token, its position and cache slot, the context length,
+the block table). Run eagerly, the step of the default model spends more time in Python
+(modules, ops, argument checks, allocations) around its ~300 kernel calls than in them.
+
+:class:`StepGraph` captures a step: it runs the model once, eagerly, on static input tensors,
+and records in order every compiled-kernel call (``attention.backends.native.call``: the
+function and its plain-int arguments) and every torch op that computes (a
+``TorchDispatchMode``). Views and allocations are not recorded: their results are the step's
+buffers, which the graph keeps alive. A replay writes the new inputs into the static tensors
+and repeats the list. Capture is refused (``StepGraph.capture`` returns None and says why)
+where the step reads a tensor into Python (``.item()``) or draws random numbers: a replay
+would repeat the captured value. A tensor built from Python data (``torch.tensor(list)``) does
+not pass through the dispatcher, so the first replay is checked against an eager run of the
+same step (:meth:`StepGraph.check`) before replays are trusted. Python values the step takes
+from the attention metadata's lists are baked in, so the captured metadata holds bounds
+there (``seq_lens_list`` and ``max_seq_len`` are the capacity), and only a backend whose
+decode path reads the lengths from tensors is captured (the CPU's ``TorchSDPABackend``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from loom_plugin_api import AttentionMetadata, set_forward_context
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..attention.backends import native
+from ..logger import init_logger
+
+logger = init_logger(__name__)
+
+__all__ = ["StepGraph", "StepReplayError"]
+
+aten = torch.ops.aten
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                aten.new_empty.default, aten.new_empty_strided.default}
+_FROM_PYTHON = {aten._local_scalar_dense.default, aten.lift_fresh.default, aten.lift_fresh_copy.default,
+                aten.lift.default, aten.is_nonzero.default, aten.equal.default}
+
+
+class StepReplayError(RuntimeError):
+    """A replayed kernel returned an error code (out of memory, a position outside the rotary
+    cache): the step's result is not usable."""
+
+
+def _storage(t: object) -> int | None:
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+
+
+def _is_view(func: torch._ops.OpOverload, args: tuple, outs: Sequence[object]) -> bool:
+    """Whether the op's results are views of its inputs: an op whose schema says it may alias
+    (``to``, ``reshape``) copies where it has to, and then computes like any other."""
+    if not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+        return False
+    inputs = {_storage(a) for a in args} - {None}
+    return all(_storage(o) in inputs for o in outs)
+
+
+def _again(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> int:
+    func(*args, **kwargs)  # mutates its captured arguments, as in the captured step
+    return 0
+
+
+def _again_into(func: torch._ops.OpOverload, args: tuple, kwargs: dict, outs: Sequence[torch.Tensor]) -> int:
+    new = func(*args, **kwargs)
+    for out, value in zip(outs, new if isinstance(new, (tuple, list)) else (new,)):
+        out.copy_(value)
+    return 0
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops: list) -> None:
+        super().__init__()
+        self.ops = ops
+        self.keep: list[Any] = []  # every tensor the step made: the kernels' int pointers point into them
+        self.refused: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's protocol)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.keep.append(out)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if func in _ALLOCATIONS or _is_view(func, args, outs):
+            return out
+        if func in _FROM_PYTHON or torch.Tag.nondeterministic_seeded in func.tags \
+                or not all(isinstance(o, torch.Tensor) for o in outs):
+            self.refused = self.refused or f"the step runs {func} (a value from or to Python, or random numbers)"
+        elif func._schema.is_mutable:
+            self.ops.append((_again, (func, args, kwargs)))
+        else:
+            self.ops.append((_again_into, (func, args, kwargs, outs)))
+        return out
+
+
+class StepGraph:
+    """A captured decode step of ``batch`` requests of one token each (see the module)."""
+
+    def __init__(self, ops: list[tuple[Callable[..., int], tuple]], keep: list[Any], inputs: dict[str, torch.Tensor],
+                 output: torch.Tensor, max_blocks: int) -> None:
+        self._ops = ops
+        self._keep = keep
+        self._inputs = inputs
+        self.output = output
+        """The step's hidden states ``(batch, hidden)``, rewritten by every replay."""
+        self.max_blocks = max_blocks
+        """The longest block table a replay takes (the model's context length)."""
+
+    @property
+    def num_ops(self) -> int:
+        return len(self._ops)
+
+    @classmethod
+    def capture(cls, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                max_blocks: int) -> tuple[StepGraph | None, torch.Tensor, str]:
+        """Run ``model`` on this decode step (one token per request) and record it:
+        ``(graph or None, the step's hidden states, why not)``. The hidden states are the
+        step's answer either way (the capture is an eager run)."""
+        if md.max_query_len != 1 or md.num_tokens != md.num_reqs or md.block_tables.shape[1] > max_blocks:
+            raise ValueError(f"StepGraph captures decode steps (one token per request) with a block table of at most "
+                             f"{max_blocks} blocks, not {md.num_tokens} tokens for {md.num_reqs} requests and "
+                             f"{md.block_tables.shape[1]} blocks")
+        static = {
+            "input_ids": input_ids.clone(), "positions": positions.clone(),
+            "query_start_loc": md.query_start_loc.clone(), "seq_lens": md.seq_lens.clone(),
+            "slot_mapping": md.slot_mapping.clone(),
+            "block_tables": md.block_tables.new_zeros(md.num_reqs, max_blocks),
+        }
+        static["block_tables"][:, : md.block_tables.shape[1]] = md.block_tables
+        capacity = max_blocks * md.block_size
+        static_md = AttentionMetadata(
+            num_reqs=md.num_reqs, num_tokens=md.num_tokens, query_start_loc=static["query_start_loc"],
+            seq_lens=static["seq_lens"], query_lens=list(md.query_lens), seq_lens_list=[capacity] * md.num_reqs,
+            max_query_len=1, max_seq_len=capacity, block_tables=static["block_tables"],
+            slot_mapping=static["slot_mapping"], block_size=md.block_size,
+        )
+        ops: list = []
+        recorder = _Recorder(ops)
+        native.tape = ops
+        try:
+            with recorder, set_forward_context(static_md, None):
+                output = model(static["input_ids"], static["positions"])
+        finally:
+            native.tape = None
+        why = recorder.refused
+        if why is None and not any(isinstance(fn, ctypes._CFuncPtr) for fn, _ in ops):
+            why = "the step calls no compiled kernel (nothing to gain)"
+        if why is not None:
+            return None, output, why
+        return cls(ops, recorder.keep + [static_md], static, output, max_blocks), output, ""
+
+    def fits(self, md: AttentionMetadata) -> bool:
+        return (md.num_reqs == self._inputs["seq_lens"].shape[0] and md.num_tokens == md.num_reqs
+                and md.max_query_len == 1 and md.block_tables.shape[1] <= self.max_blocks)
+
+    def check(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+              md: AttentionMetadata) -> tuple[torch.Tensor, bool]:
+        """Run this step eagerly and replayed: ``(the eager hidden states, whether the replay
+        gave exactly them)``. A tensor the step builds from Python data (``torch.tensor(...)``)
+        is invisible to the capture and would be replayed as captured; comparing one step both
+        ways catches what changes from step to step."""
+        with set_forward_context(md, None):
+            eager = model(input_ids, positions).clone()  # writes this token's K/V; the replay writes the same
+        return eager, torch.equal(self.replay(input_ids, positions, md), eager)
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """This step's hidden states (``self.output``), for inputs that :meth:`fits`."""
+        s = self._inputs
+        s["input_ids"].copy_(input_ids)
+        s["positions"].copy_(positions)
+        s["seq_lens"].copy_(md.seq_lens)
+        s["slot_mapping"].copy_(md.slot_mapping)
+        s["block_tables"][:, : md.block_tables.shape[1]].copy_(md.block_tables)
+        for fn, args in self._ops:
+            if fn(*args):
+                raise StepReplayError(f"{getattr(fn, '__name__', fn)} failed in a replayed decode step")
+        return self.output

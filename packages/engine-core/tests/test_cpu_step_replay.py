@@ -1,0 +1,177 @@
+"""A captured one-stream decode step (loom.worker.cpu_step_replay) replays to the eager answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from loom.attention.backends import native
+from loom.model_loader import get_model
+from loom.platforms import cpu_kernels
+from loom.worker.cpu_step_replay import StepGraph
+from loom_plugin_api import AttentionMetadata
+from loom_plugin_api.context import set_forward_context
+from model_utils import ModelRunnerHarness, make_config
+
+pytestmark = pytest.mark.skipif(native.paged_decode() is None or cpu_kernels.kernels() is None,
+                                reason="no C compiler: the CPU kernels (and so replay) are unavailable")
+
+MAX_BLOCKS = 12
+BLOCK = 4  # small blocks: the decode steps below cross several block boundaries
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         initializer_range=0.2, rope_theta=1000.0)
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).float().save_pretrained(path)
+    cpu_kernels.install()  # RMSNorm, SiLU-and-mul, rotary through the C kernels, as in a CPU worker
+    return get_model(make_config(str(path)))
+
+
+def _in_use(md: AttentionMetadata) -> AttentionMetadata:
+    """The harness passes every block a request may use; the engine, those it holds."""
+    md.block_tables = md.block_tables[:, : -(-max(md.seq_lens_list) // BLOCK)]
+    return md
+
+
+def _eager(model, ids, pos, md):
+    with set_forward_context(md):
+        return model(ids, pos).clone()
+
+
+@torch.inference_mode()
+def test_replayed_steps_equal_eager_steps(llama):
+    """Capture the first decode step, then for 20 more (new tokens, positions, slots, context
+    lengths, a block table that grows) the replay gives the eager step's hidden states exactly."""
+    h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=1)
+    logits = h.step({0: [7, 250, 3, 99, 41]})
+    token = int(logits[-1].argmax())
+    ids, pos, md = h.build_metadata({0: [token]})
+    graph, hidden, why = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS)
+    assert graph is not None, why
+    assert graph.num_ops > 0
+    for _ in range(20):
+        token = int(llama.compute_logits(hidden)[-1].argmax())
+        ids, pos, md = h.build_metadata({0: [token]})
+        md = _in_use(md)
+        assert graph.fits(md)
+        want = _eager(llama, ids, pos, md)  # writes this token's K/V; the replay writes the same values
+        hidden = graph.replay(ids, pos, md)
+        assert torch.equal(hidden, want)
+    assert h.seq_lens[0] > 4 * BLOCK  # the context crossed several blocks
+
+
+@torch.inference_mode()
+def test_a_step_that_does_not_fit_is_told_apart(llama):
+    h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=2)
+    h.step({0: [1, 2, 3], 1: [4, 5]})
+    ids, pos, md = h.build_metadata({0: [6]})  # 4 tokens: one block
+    graph, _, why = StepGraph.capture(llama, ids, pos, _in_use(md), 2)
+    assert graph is not None, why
+    assert graph.fits(_in_use(h.build_metadata({0: [7]})[2]))  # 5 tokens: two blocks
+    assert not graph.fits(_in_use(h.build_metadata({0: [8], 1: [9]})[2]))  # two requests
+    for token in range(10, 13):
+        md = _in_use(h.build_metadata({0: [token]})[2])
+    assert not graph.fits(md)  # 9 tokens: three blocks, more than the capture's table holds
+    with pytest.raises(ValueError, match="block table"):
+        StepGraph.capture(llama, ids, pos, md, 2)
+
+
+def _metadata() -> AttentionMetadata:
+    one = torch.ones(1, dtype=torch.int64)
+    return AttentionMetadata(num_reqs=1, num_tokens=1, query_start_loc=torch.tensor([0, 1]), seq_lens=one,
+                             query_lens=[1], seq_lens_list=[1], max_query_len=1, max_seq_len=1,
+                             block_tables=torch.zeros(1, 1, dtype=torch.int64), slot_mapping=one, block_size=16)
+
+
+class _KernelAndTorch(nn.Module):
+    """An embedding (torch), the C RMSNorm kernel, then a torch op on positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.weight = nn.Parameter(torch.rand(32) + 0.5, requires_grad=False)
+
+    def forward(self, ids, pos):
+        x = cpu_kernels.kernels().rms_norm(self.embed(ids), self.weight, 1e-6)
+        return x * pos.unsqueeze(-1).float()
+
+
+@torch.inference_mode()
+def test_kernels_and_torch_ops_replay_in_order():
+    torch.manual_seed(0)
+    model = _KernelAndTorch()
+    md = _metadata()
+    graph, _, why = StepGraph.capture(model, torch.tensor([3]), torch.tensor([2]), md, 1)
+    assert graph is not None, why
+    for tok, p in ((17, 5), (49, 9)):
+        ids, pos = torch.tensor([tok]), torch.tensor([p])
+        assert torch.equal(graph.replay(ids, pos, md), model(ids, pos))
+
+
+class _ReadsAValue(nn.Module):
+    def forward(self, ids, pos):
+        return torch.full((1, 4), float(ids.sum().item()))
+
+
+class _BuildsFromPython(nn.Module):
+    """A kernel, then a tensor of Python data that changes every step: invisible to the capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
+        self.calls = 0
+
+    def forward(self, ids, pos):
+        self.calls += 1
+        x = cpu_kernels.kernels().rms_norm(ids.float().expand(1, 4), self.weight, 1e-6)
+        return x + torch.tensor([float(self.calls)])
+
+
+class _Random(nn.Module):
+    def forward(self, ids, pos):
+        return torch.rand(1, 4) + ids
+
+
+class _TorchOnly(nn.Module):
+    def forward(self, ids, pos):
+        return (ids * 2).float()
+
+
+@torch.inference_mode()
+def test_a_replay_is_checked_against_the_eager_step():
+    """What the capture cannot see (a tensor of Python data that changes) shows in the check;
+    a faithful graph passes it."""
+    md, ids, pos = _metadata(), torch.tensor([3]), torch.tensor([2])
+    model = _BuildsFromPython()
+    graph, _, why = StepGraph.capture(model, ids, pos, md, 1)
+    assert graph is not None, why
+    eager, same = graph.check(model, ids, pos, md)
+    assert not same
+    assert torch.equal(eager[0], torch.ones(4) + 2)  # the eager answer of the second call
+    torch.manual_seed(0)
+    model = _KernelAndTorch()
+    graph, _, why = StepGraph.capture(model, ids, pos, md, 1)
+    eager, same = graph.check(model, torch.tensor([40]), torch.tensor([7]), md)
+    assert same
+    assert torch.equal(eager, model(torch.tensor([40]), torch.tensor([7])))
+
+
+@pytest.mark.parametrize(("module", "reason"), [
+    (_ReadsAValue, "item"), (_Random, "rand"),
+    (_TorchOnly, "calls no compiled kernel"),
+])
+@torch.inference_mode()
+def test_capture_is_refused_where_a_replay_would_be_wrong(module, reason):
+    """A value read into Python, a tensor built from Python data or random numbers would be
+    replayed as captured: the step stays eager, and says why."""
+    graph, out, why = StepGraph.capture(module(), torch.tensor([3]), torch.tensor([2]), _metadata(), 1)
+    assert graph is None
+    assert reason in why
+    assert out is not None  # the capture run is the step's eager answer
