@@ -184,3 +184,21 @@ def test_backend_same_with_and_without_the_kernel(kernel, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     torch.testing.assert_close(cache, cache2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_equals_index_copy(kernel, dtype):
+    """The step's new K/V rows (strided: split out of a fused qkv output) land in their slots,
+    and nowhere else, as ``index_copy_`` puts them."""
+    g = torch.Generator().manual_seed(3)
+    row, slots_total = 2 * 16, 40
+    k_rows, v_rows = (torch.randn(slots_total, row, generator=g).to(dtype) for _ in range(2))
+    qkv = torch.randn(4, 3 * row + 8, generator=g).to(dtype)
+    key, value = qkv[:, row: 2 * row], qkv[:, 2 * row: 3 * row]
+    slots = torch.tensor([39, 0, 7, 8])
+    k_want, v_want = k_rows.index_copy(0, slots, key), v_rows.index_copy(0, slots, value)
+    assert kernel.write_kv(key, value, slots, k_rows, v_rows)
+    assert torch.equal(k_rows, k_want) and torch.equal(v_rows, v_want)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        kernel.write_kv(key, value, torch.tensor([1, 2, 40, 3]), k_rows, v_rows)
+    assert not kernel.write_kv(key.float() if dtype != torch.float32 else key.double(), value, slots, k_rows, v_rows)

@@ -73,7 +73,7 @@ class EngineArgs:
     gpu_memory_utilization: float = flag(
         0.9, type=float, help="share of GPU memory the model and its KV cache may use (GPU platforms)")
     enforce_eager: bool = flag(
-        False, action="store_true", help="do not record decode steps as CUDA graphs (GPU platforms)")
+        False, action="store_true", help="run every step eagerly: no CUDA graphs (GPU platforms), no replayed one-stream decode step (CPU)")
     max_num_seqs: int = flag(256, type=int)
     max_num_batched_tokens: int | None = flag(None, type=int)
     enable_chunked_prefill: bool = flag(True, flag="--no-enable-chunked-prefill", action="store_false")

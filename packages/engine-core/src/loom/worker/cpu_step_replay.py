@@ -76,6 +76,12 @@ def _again_into(func: torch._ops.OpOverload, args: tuple, kwargs: dict, outs: Se
 
 
 class _Recorder(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch otherwise wraps __torch_dispatch__ in dynamo's "disable", whose first call
+        # imports torch._dynamo: 2 s and tens of MB in a worker that never compiles
+        return False
+
     def __init__(self, ops: list) -> None:
         super().__init__()
         self.ops = ops

@@ -40,6 +40,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
              _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float]
+_KV_WRITE_ARGTYPES = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64]
 
 tape: list | None = None
 """While a decode step is being captured (``loom.worker.cpu_step_replay``): every compiled
@@ -106,14 +107,36 @@ class PagedDecode:
     """Decode attention straight from the paged cache; see ``paged_decode.c`` for layouts."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {}
+        self._fns, self._writes = {}, {}
         for dtype, suffix in _SUFFIX.items():
             fn = getattr(lib, f"paged_decode_{suffix}")
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
             self._fns[dtype] = fn
+            write = getattr(lib, f"kv_write_{suffix}")
+            write.argtypes, write.restype = _KV_WRITE_ARGTYPES, ctypes.c_int
+            self._writes[dtype] = write
 
     def supports(self, dtype: torch.dtype, head_size: int) -> bool:
         return dtype in self._fns and head_size % 8 == 0 and head_size <= 256
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k_rows: torch.Tensor,
+                 v_rows: torch.Tensor) -> bool:
+        """``k_rows[slots] = key`` and ``v_rows[slots] = value`` for (T, row) ``key``/``value`` with
+        unit inner strides, caches (num_slots, row) contiguous, ``slots`` (T,) int64 contiguous;
+        False (nothing written) where the dtypes or layouts are not those. A slot out of range
+        raises ``IndexError``, as ``index_copy_`` does."""
+        fn = self._writes.get(key.dtype)
+        t, row = key.shape[0], k_rows.shape[1]
+        if (fn is None or not key.dtype == value.dtype == k_rows.dtype == v_rows.dtype or key.dim() != 2
+                or value.dim() != 2 or key.shape[1] != row or value.shape != key.shape or key.stride(1) != 1
+                or value.stride(1) != 1 or not (k_rows.is_contiguous() and v_rows.is_contiguous())
+                or v_rows.shape != k_rows.shape or slots.dtype != torch.int64 or not slots.is_contiguous()
+                or slots.shape != (t,)):
+            return False
+        if call(fn, key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), slots.data_ptr(), t, row,
+                k_rows.data_ptr(), v_rows.data_ptr(), k_rows.shape[0]):
+            raise IndexError(f"a slot of {slots.tolist()} is outside the KV cache's {k_rows.shape[0]} slots")
+        return True
 
     def __call__(self, query: torch.Tensor, rows_q: torch.Tensor, rows_req: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
@@ -173,6 +196,15 @@ def _self_check(kernel: PagedDecode) -> None:
         if not torch.allclose(out[rows_q].float(), want, atol=tol, rtol=tol):
             raise NativeKernelError(f"the compiled kernel disagrees with torch in {dtype} "
                                     f"(max error {(out[rows_q].float() - want).abs().max():.3g})")
+        kv = torch.randn(3, 2 * hk * d + 4, generator=g).to(dtype)  # strided rows, like a qkv split
+        slots = torch.tensor([5, 0, 17])
+        k_rows, v_rows = k_cache.view(-1, hk * d).clone(), v_cache.view(-1, hk * d).clone()
+        if not kernel.write_kv(kv[:, : hk * d], kv[:, hk * d: 2 * hk * d], slots, k_rows, v_rows):
+            raise NativeKernelError(f"the compiled KV write refused a {dtype} problem")
+        k_want = k_cache.view(-1, hk * d).index_copy(0, slots, kv[:, : hk * d])
+        v_want = v_cache.view(-1, hk * d).index_copy(0, slots, kv[:, hk * d: 2 * hk * d])
+        if not (torch.equal(k_rows, k_want) and torch.equal(v_rows, v_want)):
+            raise NativeKernelError(f"the compiled KV write disagrees with index_copy_ in {dtype}")
 
 
 @functools.cache

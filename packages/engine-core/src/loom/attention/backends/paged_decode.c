@@ -220,3 +220,24 @@ int paged_decode_##NAME(                                                        
 DEFINE_PAGED_DECODE(f32, float)
 DEFINE_PAGED_DECODE(bf16, bf16_t)
 DEFINE_PAGED_DECODE(f16, f16_t)
+
+/* The step's new keys and values into the cache: row i of key (row stride ks) and of value (vs),
+ * row elements each (Hk * D), to slot slots[i] of k_cache and v_cache ((num_slots, row),
+ * contiguous). One call for both caches, where torch's index_copy_ costs two calls of several
+ * microseconds for a decode step's single row. 0, or 1: a slot outside 0 .. num_slots - 1
+ * (nothing written from that row on). */
+#define DEFINE_KV_WRITE(NAME, T)                                                               \
+int kv_write_##NAME(const T *key, int64_t ks, const T *value, int64_t vs, const int64_t *slots,\
+                    int64_t n, int64_t row, T *k_cache, T *v_cache, int64_t num_slots) {       \
+    for (int64_t i = 0; i < n; i++) {                                                          \
+        const int64_t s = slots[i];                                                            \
+        if (s < 0 || s >= num_slots) return 1;                                                 \
+        memcpy(k_cache + s * row, key + i * ks, sizeof(T) * (size_t)row);                      \
+        memcpy(v_cache + s * row, value + i * vs, sizeof(T) * (size_t)row);                    \
+    }                                                                                          \
+    return 0;                                                                                  \
+}
+
+DEFINE_KV_WRITE(f32, float)
+DEFINE_KV_WRITE(bf16, bf16_t)
+DEFINE_KV_WRITE(f16, f16_t)

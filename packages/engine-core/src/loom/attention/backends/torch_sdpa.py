@@ -160,9 +160,12 @@ class TorchSDPAImpl(AttentionImpl):
         # One row of Hk * D per slot: index_copy_ over 3-D views takes a per-element path that
         # is up to 20x slower for bf16 rows split out of the fused qkv output.
         kv_rows = kv_cache.view(2, -1, Hk * D)
-        kv_rows[0].index_copy_(0, attn_metadata.slot_mapping, key.reshape(T, Hk * D))
-        kv_rows[1].index_copy_(0, attn_metadata.slot_mapping, value.reshape(T, Hk * D))
+        key_rows, value_rows = key.reshape(T, Hk * D), value.reshape(T, Hk * D)
         kernel = self._kernel if self._kernel is not None and self._kernel.supports(query.dtype, D) else None
+        if kernel is None or not kernel.write_kv(key_rows, value_rows, attn_metadata.slot_mapping, kv_rows[0],
+                                                 kv_rows[1]):
+            kv_rows[0].index_copy_(0, attn_metadata.slot_mapping, key_rows)
+            kv_rows[1].index_copy_(0, attn_metadata.slot_mapping, value_rows)
         plan = build_plan(attn_metadata, gather_decode=kernel is None)
         if query.stride(-1) != 1:
             query = query.contiguous()
