@@ -100,6 +100,7 @@ def test_ops_run_the_installed_kernels_on_cpu(k, monkeypatch):
     # (another test may have rebuilt the kernels object since the fixture ran: compare methods)
     assert custom_op.kernel_registry["rms_norm"].__func__ is cpu_kernels.CpuKernels.rms_norm
     assert custom_op.CustomOp.get_kernel("rotary_embedding").__func__ is cpu_kernels.CpuKernels.rotary_embedding
+    assert custom_op.CustomOp.get_kernel("row_argmax").__func__ is cpu_kernels.CpuKernels.row_argmax
     op = RMSNorm(64)
     x = torch.randn(3, 64)
     calls = []
@@ -402,3 +403,22 @@ def test_row_argmax_edge_rows_and_refusals(k):
     assert k.row_argmax(torch.zeros(4)) is None and k.row_argmax(torch.zeros(2, 0)) is None
     val, idx = k.row_argmax(torch.zeros(0, 8))
     assert val.shape == idx.shape == (0,)
+
+
+def test_greedy_sampling_takes_the_installed_row_argmax(monkeypatch):
+    """The LM head's running max looks the kernel up in the contract's registry, and runs
+    torch's max where none is installed or the kernel refuses the chunk."""
+    from loom.layers.logits_processor import _row_max
+
+    monkeypatch.setattr(custom_op, "kernel_registry", {})
+    x = torch.randn(3, 50)
+    want = x.max(dim=-1)
+    got = _row_max(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    calls = []
+    monkeypatch.setitem(custom_op.kernel_registry, "row_argmax", lambda t: calls.append(t) or None)
+    got = _row_max(x)  # refused: torch's
+    assert len(calls) == 1 and torch.equal(got[1], want[1])
+    monkeypatch.setitem(custom_op.kernel_registry, "row_argmax",
+                        lambda t: (torch.zeros(t.shape[0]), torch.full((t.shape[0],), 7)))
+    assert _row_max(x)[1].tolist() == [7, 7, 7]

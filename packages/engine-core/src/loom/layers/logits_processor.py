@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from loom_plugin_api import CustomOp
 from loom_plugin_api.ops import QuantizedLinear
 
-from .. import platforms
 from ..distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 from . import onednn, quantized
 from .vocab_parallel_embedding import VocabParallelEmbedding
@@ -22,25 +22,13 @@ def _packed_logits(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, x
     return onednn.linear(x, weight, bias)[..., :rows]  # the chunk's padding rows dropped
 
 
-@functools.cache
-def _cpu_row_argmax() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None:
-    """The CPU kernels' ``row_argmax``, or None where they are not built."""
-    from ..platforms.cpu_kernels import kernels  # lazy: the kernels' build machinery, for host tensors only
-
-    k = kernels()
-    return None if k is None else k.row_argmax
-
-
 def _row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits.max(dim=-1)``; on the CPU platform through its C kernel where it takes the chunk
-    (torch's max with indices cost more than the chunk's matmul for a small model's wide
-    vocabulary). Other platforms, host tensors included, keep torch's."""
-    if logits.is_cpu and platforms.current_platform.is_cpu():
-        row_argmax = _cpu_row_argmax()
-        found = None if row_argmax is None else row_argmax(logits)
-        if found is not None:
-            return found
-    return logits.max(dim=-1)
+    """``logits.max(dim=-1)``, through the platform's ``row_argmax`` kernel where one is installed
+    and takes the chunk (the CPU platform's C kernel: torch's max with indices cost more than the
+    chunk's matmul for a small model's wide vocabulary)."""
+    kernel = CustomOp.get_kernel("row_argmax")
+    found = None if kernel is None else kernel(logits)
+    return logits.max(dim=-1) if found is None else found
 
 
 class LogitsProcessor(nn.Module):

@@ -2,13 +2,13 @@
 ``rotary_embedding`` (``loom_plugin_api.KERNEL_SIGNATURES``), from ``cpu_kernels.c``; and
 ``CpuKernels.q8_linear`` and ``CpuKernels.q4_linear``, the decode matmuls by an 8-bit and a 4-bit
 group-wise quantized weight (the 4-bit codes packed once by :func:`pack_q4`); and
-``CpuKernels.row_argmax``, the running max of greedy sampling over the LM head's vocabulary chunks
-(``layers/logits_processor.py`` calls it on the CPU platform).
+``row_argmax``, the running max of greedy sampling over the LM head's vocabulary chunks (also a
+``KERNEL_SIGNATURES`` entry, which ``layers/logits_processor.py`` looks up).
 
 ``CpuPlatform.register_triton_kernel_overrides`` calls :func:`install` in every worker: it
 compiles the C file with the machine's compiler (cached next to the paged-decode kernel, see
 ``attention/backends/native.py``), checks each kernel against the reference op on a small
-problem, and registers the three with ``CustomOp.register_kernel``; the ops' ``forward_cpu``
+problem, and registers the four with ``CustomOp.register_kernel``; the ops' ``forward_cpu``
 then calls them. No compiler, a failed build or a wrong answer logs one warning and the ops
 keep their torch reference path; ``LOOM_CPU_NATIVE_KERNELS=0`` chooses that path outright.
 The kernels take float32 and bfloat16 (the CPU platform's dtypes); anything else runs the
@@ -399,4 +399,5 @@ def install() -> bool:
     CustomOp.register_kernel("rms_norm", k.rms_norm)
     CustomOp.register_kernel("silu_and_mul", k.silu_and_mul)
     CustomOp.register_kernel("rotary_embedding", k.rotary_embedding)
+    CustomOp.register_kernel("row_argmax", k.row_argmax)
     return True
