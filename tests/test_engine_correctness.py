@@ -224,4 +224,8 @@ def test_one_stream_replays_its_decode_steps_to_the_eager_answer(engines, model_
         assert eager.llm_engine.executor.worker.model_runner._graph is None
     else:  # the dummy platform's worker runs the contract's runner: every step eager
         assert not hasattr(runner, "_graph")
-    assert tokens(run(replay, prompts[:2], greedy)) == tokens(run(eager, prompts[:2], greedy))
+    # a batch, then the longer request alone (replayed after batch steps), then a seeded sample
+    short = dataclasses.replace(greedy, max_tokens=5)
+    assert tokens(run(replay, prompts[:2], [short, greedy])) == tokens(run(eager, prompts[:2], [short, greedy]))
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True)
+    assert tokens(run(replay, [prompts[2]], seeded)) == tokens(run(eager, [prompts[2]], seeded))

@@ -186,7 +186,7 @@ def test_backend_same_with_and_without_the_kernel(kernel, dtype):
     torch.testing.assert_close(cache, cache2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kv_write_equals_index_copy(kernel, dtype):
     """The step's new K/V rows (strided: split out of a fused qkv output) land in their slots,
     and nowhere else, as ``index_copy_`` puts them."""
@@ -199,6 +199,8 @@ def test_kv_write_equals_index_copy(kernel, dtype):
     k_want, v_want = k_rows.index_copy(0, slots, key), v_rows.index_copy(0, slots, value)
     assert kernel.write_kv(key, value, slots, k_rows, v_rows)
     assert torch.equal(k_rows, k_want) and torch.equal(v_rows, v_want)
-    with pytest.raises(IndexError, match="outside the KV cache"):
-        kernel.write_kv(key, value, torch.tensor([1, 2, 40, 3]), k_rows, v_rows)
+    for bad in ([1, 2, 40, 3], [1, -1, 2, 3]):  # past the end, negative: nothing is written
+        with pytest.raises(IndexError, match="outside the KV cache"):
+            kernel.write_kv(key * 2, value * 2, torch.tensor(bad), k_rows, v_rows)
+        assert torch.equal(k_rows, k_want) and torch.equal(v_rows, v_want)
     assert not kernel.write_kv(key.float() if dtype != torch.float32 else key.double(), value, slots, k_rows, v_rows)

@@ -130,18 +130,27 @@ class _ReadsAValue(nn.Module):
         return torch.full((1, 4), float(ids.sum().item()))
 
 
-class _BuildsFromPython(nn.Module):
-    """A kernel, then a tensor of Python data that changes every step: invisible to the capture."""
+class _PythonValueToKernel(nn.Module):
+    """A kernel whose argument is a Python value that changes every step (RMSNorm's eps from a
+    counter), its output kept in a buffer in place (as K/V are): invisible to the capture."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
+        self.register_buffer("kept", torch.zeros(1, 4))
         self.calls = 0
 
     def forward(self, ids, pos):
         self.calls += 1
-        x = cpu_kernels.kernels().rms_norm(ids.float().expand(1, 4), self.weight, 1e-6)
-        return x + torch.tensor([float(self.calls)])
+        x = ids.float().expand(1, 4) + torch.arange(4.0)
+        out = cpu_kernels.kernels().rms_norm(x, self.weight, float(self.calls))
+        self.kept.copy_(out)
+        return out
+
+
+class _BuildsFromPython(nn.Module):
+    def forward(self, ids, pos):
+        return ids + torch.tensor([5])  # constant here, but a tensor of Python data in general
 
 
 class _Random(nn.Module):
@@ -156,15 +165,16 @@ class _TorchOnly(nn.Module):
 
 @torch.inference_mode()
 def test_a_replay_is_checked_against_the_eager_step():
-    """What the capture cannot see (a tensor of Python data that changes) shows in the check;
-    a faithful graph passes it."""
+    """What the capture cannot see (a per-step Python value passed to a kernel) shows in the
+    check, and what the eager step wrote is what stays; a faithful graph passes it."""
     md, ids, pos = _metadata(), torch.tensor([3]), torch.tensor([2])
-    model = _BuildsFromPython()
-    graph, _, why = StepGraph.capture(model, ids, pos, md, 1)
+    model = _PythonValueToKernel()
+    graph, first, why = StepGraph.capture(model, ids, pos, md, 1)
     assert graph is not None, why
     eager, same = graph.check(model, ids, pos, md)
-    assert not same
-    assert torch.equal(eager[0], torch.ones(4) + 2)  # the eager answer of the second call
+    assert not same  # the replay used eps = 1 again, the eager step eps = 3
+    assert not torch.equal(eager, first)
+    assert torch.equal(model.kept, eager)  # the eager step's write, not the replay's
     torch.manual_seed(0)
     model = _KernelAndTorch()
     graph, _, why = StepGraph.capture(model, ids, pos, md, 1)
@@ -174,7 +184,7 @@ def test_a_replay_is_checked_against_the_eager_step():
 
 
 @pytest.mark.parametrize(("module", "reason"), [
-    (_ReadsAValue, "item"), (_Random, "rand"),
+    (_ReadsAValue, "item"), (_BuildsFromPython, "lift_fresh"), (_Random, "rand"),
     (_TorchOnly, "calls no compiled kernel"),
 ])
 @torch.inference_mode()

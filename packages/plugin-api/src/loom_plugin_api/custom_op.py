@@ -70,9 +70,10 @@ KERNEL_SIGNATURES: dict[str, str] = {
                         "prepare(weight: QuantizedWeight, dtype) attribute made of it once at load",
     "lora": "lora(y, x, lora_a, lora_b, mapping) -> y, with y[t] += x[t] @ lora_a[s].T @ lora_b[s].T added in "
             "place for each row t of an adapter slot s (mapping: a LoRAMapping)",
-    "row_argmax": "row_argmax(x) -> (values, indices) of x.max(dim=-1) for a (rows, n) tensor, values float32, "
-                  "indices int64 of the first maximum; or None where the kernel does not take x (torch's max "
-                  "runs then). Greedy sampling's running max over the LM head's vocabulary chunks",
+    "row_argmax": "row_argmax(x) -> (values, indices) for a (rows, n) tensor: each row's maximum (float32) and "
+                  "the index of its first occurrence (int64), as x.max(dim=-1) gives them for rows without NaN; "
+                  "or None where the kernel does not take x (torch's max runs then). Greedy sampling's running "
+                  "max over the LM head's vocabulary chunks",
 }
 """The kernels a platform may install, by op name, with the signature each is called with."""
 

@@ -11,10 +11,11 @@ function and its plain-int arguments) and every torch op that computes (a
 ``TorchDispatchMode``). Views and allocations are not recorded: their results are the step's
 buffers, which the graph keeps alive. A replay writes the new inputs into the static tensors
 and repeats the list. Capture is refused (``StepGraph.capture`` returns None and says why)
-where the step reads a tensor into Python (``.item()``) or draws random numbers: a replay
-would repeat the captured value. A tensor built from Python data (``torch.tensor(list)``) does
-not pass through the dispatcher, so the first replay is checked against an eager run of the
-same step (:meth:`StepGraph.check`) before replays are trusted. Python values the step takes
+where the step reads a tensor into Python (``.item()``), builds a tensor from Python data
+(``torch.tensor``, ``torch.from_numpy``: ``lift_fresh``) or draws random numbers: a replay would
+repeat the captured value. A Python value passed straight to a kernel (an int argument computed
+from the step's data) is invisible to both, so the first replay is checked against an eager run
+of the same step (:meth:`StepGraph.check`) before replays are trusted. Python values the step takes
 from the attention metadata's lists are baked in, so the captured metadata holds bounds
 there (``seq_lens_list`` and ``max_seq_len`` are the capacity), and only a backend whose
 decode path reads the lengths from tensors is captured (the CPU's ``TorchSDPABackend``).
@@ -93,11 +94,12 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.keep.append(out)
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        if func in _ALLOCATIONS or _is_view(func, args, outs):
-            return out
         if func in _FROM_PYTHON or torch.Tag.nondeterministic_seeded in func.tags \
                 or not all(isinstance(o, torch.Tensor) for o in outs):
+            # (before the view test: lift_fresh, a tensor of Python data, "aliases" its input)
             self.refused = self.refused or f"the step runs {func} (a value from or to Python, or random numbers)"
+        elif func in _ALLOCATIONS or _is_view(func, args, outs):
+            return out
         elif func._schema.is_mutable:
             self.ops.append((_again, (func, args, kwargs)))
         else:
@@ -167,13 +169,15 @@ class StepGraph:
 
     def check(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
               md: AttentionMetadata) -> tuple[torch.Tensor, bool]:
-        """Run this step eagerly and replayed: ``(the eager hidden states, whether the replay
-        gave exactly them)``. A tensor the step builds from Python data (``torch.tensor(...)``)
-        is invisible to the capture and would be replayed as captured; comparing one step both
-        ways catches what changes from step to step."""
+        """Run this step replayed and eagerly: ``(the eager hidden states, whether the replay
+        gave exactly them)``. A Python value the step passes straight to a kernel is invisible to
+        the capture and would be replayed as captured; comparing one step both ways catches what
+        changes from step to step. The eager run goes second, so what it writes (this token's
+        K/V) is what stays, whatever the replay wrote."""
+        replayed = self.replay(input_ids, positions, md).clone()
         with set_forward_context(md, None):
-            eager = model(input_ids, positions).clone()  # writes this token's K/V; the replay writes the same
-        return eager, torch.equal(self.replay(input_ids, positions, md), eager)
+            eager = model(input_ids, positions)
+        return eager, torch.equal(replayed, eager)
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """This step's hidden states (``self.output``), for inputs that :meth:`fits`."""

@@ -16,7 +16,7 @@ from ..attention.backends import native
 from ..attention.backends.torch_sdpa import TorchSDPAImpl
 from ..logger import init_logger
 from ..platforms import cpu_kernels
-from .cpu_step_replay import StepGraph
+from .cpu_step_replay import StepGraph, StepReplayError
 
 logger = init_logger(__name__)
 
@@ -32,9 +32,13 @@ class CpuModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self._graph: StepGraph | None = None
         self._checked = False  # the graph's first replay matched an eager run of the same step
+        kernel, dtype = native.paged_decode(), self.config.model_config.torch_dtype
+        # the decode attention must be the compiled kernel: the torch path would replay a gather
+        # over the whole capacity (max_model_len) every step
         self._replay = (not self.config.compilation_config.enforce_eager
-                        and native.paged_decode() is not None and cpu_kernels.kernels() is not None
-                        and all(isinstance(layer.impl, TorchSDPAImpl) for layer in self.attn_layers))
+                        and kernel is not None and cpu_kernels.kernels() is not None
+                        and all(isinstance(layer.impl, TorchSDPAImpl) and kernel.supports(dtype, layer.impl.head_size)
+                                for layer in self.attn_layers))
 
     def initialize_cache(self, num_blocks: int) -> None:
         super().initialize_cache(num_blocks)
@@ -45,15 +49,20 @@ class CpuModelRunner(ModelRunner):
         if not self._replay or inputs.lora_mapping is not None or md.num_reqs != 1 or md.num_tokens != 1:
             return super().run_model(inputs)
         if self._graph is not None and self._graph.fits(md):
-            if self._checked:
-                return self._graph.replay(inputs.input_ids, inputs.positions, md)
-            hidden, same = self._graph.check(self.model, inputs.input_ids, inputs.positions, md)
+            try:
+                if self._checked:
+                    return self._graph.replay(inputs.input_ids, inputs.positions, md)
+                hidden, same = self._graph.check(self.model, inputs.input_ids, inputs.positions, md)
+            except StepReplayError as e:  # a kernel's error code: the eager step raises it properly, or runs
+                self._graph, self._replay = None, False
+                logger.warning("A replayed one-stream decode step failed (%s); decode steps run eagerly from now on", e)
+                return super().run_model(inputs)  # rewrites whatever K/V the replay wrote for this token
             if same:
                 self._checked = True
             else:
                 self._graph, self._replay = None, False
                 logger.warning("A replayed one-stream decode step differed from the eager step; decode steps "
-                               "run eagerly from now on (the model builds a tensor from Python values?)")
+                               "run eagerly from now on (the model passes a per-step Python value to a kernel?)")
             return hidden
         max_blocks = math.ceil(self.config.model_config.max_model_len / md.block_size)
         if md.block_tables.shape[1] > max_blocks:

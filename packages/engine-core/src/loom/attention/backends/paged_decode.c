@@ -225,13 +225,14 @@ DEFINE_PAGED_DECODE(f16, f16_t)
  * row elements each (Hk * D), to slot slots[i] of k_cache and v_cache ((num_slots, row),
  * contiguous). One call for both caches, where torch's index_copy_ costs two calls of several
  * microseconds for a decode step's single row. 0, or 1: a slot outside 0 .. num_slots - 1
- * (nothing written from that row on). */
+ * (then nothing is written, as index_copy_). */
 #define DEFINE_KV_WRITE(NAME, T)                                                               \
 int kv_write_##NAME(const T *key, int64_t ks, const T *value, int64_t vs, const int64_t *slots,\
                     int64_t n, int64_t row, T *k_cache, T *v_cache, int64_t num_slots) {       \
+    for (int64_t i = 0; i < n; i++)                                                            \
+        if (slots[i] < 0 || slots[i] >= num_slots) return 1;                                   \
     for (int64_t i = 0; i < n; i++) {                                                          \
         const int64_t s = slots[i];                                                            \
-        if (s < 0 || s >= num_slots) return 1;                                                 \
         memcpy(k_cache + s * row, key + i * ks, sizeof(T) * (size_t)row);                      \
         memcpy(v_cache + s * row, value + i * vs, sizeof(T) * (size_t)row);                    \
     }                                                                                          \
