@@ -107,9 +107,10 @@ class _KernelAndTorch(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(50, 32)
         self.weight = nn.Parameter(torch.rand(32) + 0.5, requires_grad=False)
+        self.kernels = cpu_kernels.kernels()  # built (and self-checked, with random inputs) before any capture
 
     def forward(self, ids, pos):
-        x = cpu_kernels.kernels().rms_norm(self.embed(ids), self.weight, 1e-6)
+        x = self.kernels.rms_norm(self.embed(ids), self.weight, 1e-6)
         return x * pos.unsqueeze(-1).float()
 
 
@@ -139,11 +140,12 @@ class _PythonValueToKernel(nn.Module):
         self.weight = nn.Parameter(torch.ones(4), requires_grad=False)
         self.register_buffer("kept", torch.zeros(1, 4))
         self.calls = 0
+        self.kernels = cpu_kernels.kernels()
 
     def forward(self, ids, pos):
         self.calls += 1
         x = ids.float().expand(1, 4) + torch.arange(4.0)
-        out = cpu_kernels.kernels().rms_norm(x, self.weight, float(self.calls))
+        out = self.kernels.rms_norm(x, self.weight, float(self.calls))
         self.kept.copy_(out)
         return out
 
