@@ -207,8 +207,19 @@ def _responses(errors: Mapping[int, str], stream: type[BaseModel] | None = None)
     if stream is not None:
         out[200] = {"description": f"JSON; or with stream=true, server-sent events: `data: <{stream.__name__}>` "
                                    "lines (an error event in OpenAI's error shape if one happens), then `data: [DONE]`",
-                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+                    "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
     return out
+
+
+_SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "description": "one server-sent event (the fields of its lines); `data` is a chunk's JSON or `[DONE]`",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}},
+    "required": ["data"],
+}
+"""The schema of each event of a stream (not of the whole body): what OpenAPI 3.2's ``itemSchema``
+says for ``text/event-stream``, and what schemathesis checks every event of a streamed answer against."""
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
