@@ -67,7 +67,9 @@ KERNEL_SIGNATURES: dict[str, str] = {
     "silu_and_mul": "silu_and_mul(x) -> silu(x[..., :d]) * x[..., d:]",
     "quantized_linear": "quantized_linear(x, weight, bias=None) -> x @ W.T (+ bias), W the QuantizedWeight's "
                         "dequantized weights; weight is the QuantizedWeight, or what the kernel's optional "
-                        "prepare(weight: QuantizedWeight, dtype) attribute made of it once at load",
+                        "prepare(weight: QuantizedWeight, dtype) attribute made of it once at load. The kernel may "
+                        "round each row of x to 8 bits per group of 32 values first (a step of the group's max|x| / "
+                        "127, as llama.cpp's Q8 activations): the conformance kit allows that much error",
     "lora": "lora(y, x, lora_a, lora_b, mapping) -> y, with y[t] += x[t] @ lora_a[s].T @ lora_b[s].T added in "
             "place for each row t of an adapter slot s (mapping: a LoRAMapping)",
     "row_argmax": "row_argmax(x) -> (values, indices) for a (rows, n) tensor: each row's maximum (float32) and "

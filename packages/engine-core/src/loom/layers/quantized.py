@@ -163,13 +163,15 @@ class CpuQuantizedWeight:
     """The CPU kernel's layouts of a ``QuantizedWeight``: the codes for a few rows and ``dense``,
     the dequantized weights in the compute dtype (oneDNN-packed where enabled), for batches.
 
-    The codes: 4-bit ones packed for the C kernel (``cpu_kernels.pack_q4``: two codes a byte,
+    The codes: 4-bit ones packed for the C kernel (``CpuKernels.pack_q4``: two codes a byte,
     scale and zero as bf16 pairs for bf16 activations), else torch's int4 layout where the C
-    kernels are unavailable; 8-bit ones as they are, for the C 8-bit kernel (where it builds)."""
+    kernels are unavailable; 8-bit ones packed for the int8-activation kernel
+    (``CpuKernels.pack_q8``, groups of 32 on AVX512-VNNI CPUs) or as they are, for the C 8-bit
+    kernel (where it builds)."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         # here, not at the top: the platform module imports the kernels' build machinery
-        from ..platforms.cpu_kernels import kernels, pack_q4
+        from ..platforms.cpu_kernels import kernels
 
         self.shape = weight.shape
         self.bits, self.group_size = weight.bits, weight.group_size
@@ -177,9 +179,10 @@ class CpuQuantizedWeight:
         self.q4: Any = None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
         self.codes: QuantizedWeight | None = None
+        self.q8: Any = None
         if (weight.bits == 4 and weight.group_size % 32 == 0 and dtype in (torch.float32, torch.bfloat16)
                 and kernels() is not None):
-            self.q4 = pack_q4(weight.qweight, weight.scale, weight.zero, dtype)
+            self.q4 = kernels().pack_q4(weight.qweight, weight.scale, weight.zero, dtype)
         elif (weight.bits == 4 and dtype == torch.bfloat16 and weight.group_size in _INT4_GROUPS
               and out_features % 16 == 0 and int4_available()):  # in fp32 torch's takes 20x the dense GEMM
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.qweight.to(torch.int32).contiguous(), 1)
@@ -187,8 +190,12 @@ class CpuQuantizedWeight:
             scales_and_zeros = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1).to(dtype).contiguous()
             self.int4 = (packed, scales_and_zeros)
         elif weight.bits == 8 and kernels() is not None:
-            self.codes = weight
-        self._weight, self.dtype = weight, dtype
+            self.q8 = kernels().pack_q8(weight.qweight, weight.scale, weight.zero, weight.group_size)
+            if self.q8 is None:
+                self.codes = weight
+        # the neutral weight, for the dense copy; a packed 8-bit one is rebuilt from its layout instead
+        self._weight: QuantizedWeight | None = weight if self.q8 is None else None
+        self.dtype = dtype
         self._dense: torch.Tensor | None = None
         # the few-rows path, chosen once: it runs for every linear layer of every decode step
         # (``few_rows(x)``: ``x @ W.T`` through the codes, or None where no kernel here takes them)
@@ -197,6 +204,8 @@ class CpuQuantizedWeight:
             self.few_rows = partial(kernels().q4_linear, packed=self.q4)
         elif self.int4 is not None:
             self.few_rows = self._few_rows_int4
+        elif self.q8 is not None:
+            self.few_rows = partial(kernels().q8a_linear, packed=self.q8)
         elif self.codes is not None:
             c = self.codes
             self.few_rows = partial(kernels().q8_linear, qweight=c.qweight, scale=c.scale, zero=c.zero,
@@ -205,7 +214,7 @@ class CpuQuantizedWeight:
     @property
     def reads_codes(self) -> bool:
         """Whether a few rows multiply through the codes here (else through the dense copy)."""
-        return self.q4 is not None or self.int4 is not None or self.codes is not None
+        return self.q4 is not None or self.int4 is not None or self.q8 is not None or self.codes is not None
 
     @property
     def dense(self) -> torch.Tensor:
@@ -216,6 +225,10 @@ class CpuQuantizedWeight:
 
     def make_dense(self) -> torch.Tensor:
         if self._dense is None:
+            if self._weight is None:  # only a packed 8-bit weight gets here before its dense copy
+                from ..platforms.cpu_qdot import unpack_q8
+
+                self._weight = QuantizedWeight(*unpack_q8(self.q8), 8, self.q8.group_size)
             dense = self._weight.dequantize(self.dtype)
             self._dense = onednn.pack_weight(dense) if onednn.enabled_for(dense) else dense
             if self.codes is None:  # the codes are in the kernel's own layout: the neutral ones can go
@@ -231,6 +244,8 @@ class CpuQuantizedWeight:
             return sum(t.numel() * t.element_size() for t in parts)
         if self.int4 is not None:
             return sum(t.numel() * t.element_size() for t in self.int4)
+        if self.q8 is not None:
+            return sum(t.numel() * t.element_size() for t in (self.q8.codes, self.q8.scale, self.q8.zero) if t is not None)
         if self.codes is not None:
             return sum(t.numel() * t.element_size() for t in (self.codes.qweight, self.codes.scale, self.codes.zero))
         return self.shape[0] * self.shape[1] * self.dtype.itemsize

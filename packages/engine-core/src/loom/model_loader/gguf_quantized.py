@@ -129,6 +129,8 @@ def _quantized_head(model: nn.Module, entries: list, dtype: torch.dtype) -> Quan
     prepared = head.kernel_weight()
     if isinstance(prepared, CpuQuantizedWeight) and not prepared.reads_codes:
         return None  # it would multiply through a dense copy of its own: a second dense head
+    head.release_weight()  # where the kernel holds its own layout, the neutral codes can go
+    logger.info("The LM head runs on its %d-bit codes for steps of a few rows", bits)
     return head
 
 
@@ -143,7 +145,6 @@ def load_gguf_quantized(model: nn.Module, path: str, dtype: torch.dtype) -> dict
     head = _quantized_head(model, entries, dtype) if len(processors) == 1 else None
     if head is not None:
         processors[0].quantized_head = head
-        logger.info("The LM head runs on its %d-bit codes for steps of a few rows", head.weight.bits)
     by_bits = {b: sum(1 for v in chosen.values() if v == b) for b in sorted(set(chosen.values()))}
     logger.info("Kept %s linear layers of %s quantized (GGUF blocks); the rest dequantized to %s",
                 " and ".join(f"{n} {b}-bit" for b, n in by_bits.items()) or "no", path, dtype)

@@ -34,10 +34,13 @@ from loom_plugin_api.ops.rotary_embedding import RotaryEmbedding
 from .. import envs
 from ..attention.backends import native
 from ..logger import init_logger
+from . import cpu_qdot
 
 logger = init_logger(__name__)
 
-__all__ = ["CpuKernels", "PackedQ4", "install", "kernels", "pack_q4", "unpack_q4"]
+__all__ = ["CpuKernels", "PackedQ4", "PackedQ8", "install", "kernels", "pack_q4", "unpack_q4"]
+
+PackedQ8 = cpu_qdot.PackedQ8
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _I64, _PTR, _INT, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -48,6 +51,7 @@ _ARGTYPES = {
     "q8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
     "q4_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
     "row_argmax": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
+    "qa_linear": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
 }
 # q4_linear_bf16 takes the bf16 (scale, zero) pairs as one array: no separate zero pointer
 _ARGTYPES_BF16 = {"q4_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT]}
@@ -85,9 +89,10 @@ class PackedQ4:
     """A 4-bit group-wise weight ``w[o, i] = (q[o, i] - 8) * scale[o, i // G] + zero[o, i // G]``
     as :func:`pack_q4` lays it out for ``CpuKernels.q4_linear`` with activations of ``dtype``:
 
-    - ``codes``: uint8 (N, K / 2), each row in chunks of 64 codes, 32 bytes, byte m =
-      ``c[m] | c[32 + m] << 4``, and a last chunk of 32 codes, 16 bytes, byte m =
-      ``c[m] | c[16 + m] << 4``, where K % 64 is 32;
+    - ``codes``: uint8 (N, bytes). ``layout`` 0: (N, K / 2), each row in chunks of 64 codes, 32
+      bytes, byte m = ``c[m] | c[32 + m] << 4``, and a last chunk of 32 codes, 16 bytes, byte m =
+      ``c[m] | c[16 + m] << 4``, where K % 64 is 32. ``layout`` 1 (groups of 32 only): the order
+      of ``cpu_qdot.c``, whose kernels quantize x to int8 (see ``cpu_qdot.py``);
     - float32: ``scale`` and ``zero`` float32 (N, K / G), as given (exact);
     - bfloat16: ``scale_zero`` int32 (N, K / G), each the pair (bf16 scale in the low 16 bits,
       bf16 zero in the high), read with the codes in one stream; ``scale`` and ``zero`` None. The
@@ -97,23 +102,25 @@ class PackedQ4:
     ``n``, ``k``, ``group_size`` and ``dtype`` are the shape, group and activation dtype.
     """
 
-    __slots__ = ("codes", "scale", "zero", "scale_zero", "group_size", "dtype", "n", "k")
+    __slots__ = ("codes", "scale", "zero", "scale_zero", "group_size", "dtype", "n", "k", "layout")
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-                 scale_zero: torch.Tensor | None, group_size: int, dtype: torch.dtype) -> None:
+                 scale_zero: torch.Tensor | None, group_size: int, dtype: torch.dtype, k: int, layout: int = 0) -> None:
         self.codes, self.scale, self.zero, self.scale_zero = codes, scale, zero, scale_zero
-        self.group_size, self.dtype = group_size, dtype
-        self.n, self.k = codes.shape[0], codes.shape[1] * 2
+        self.group_size, self.dtype, self.layout = group_size, dtype, layout
+        self.n, self.k = codes.shape[0], k
 
     def __repr__(self) -> str:
-        return f"PackedQ4(n={self.n}, k={self.k}, group_size={self.group_size}, dtype={self.dtype})"
+        return (f"PackedQ4(n={self.n}, k={self.k}, group_size={self.group_size}, dtype={self.dtype}, "
+                f"layout={self.layout})")
 
 
 def pack_q4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-            dtype: torch.dtype) -> PackedQ4:
+            dtype: torch.dtype, layout: int = 0) -> PackedQ4:
     """The weight ``(q - 8) * scale + zero`` per group (q uint8 (N, K), values 0..15, K a multiple
     of 32; scale and zero (N, K / G), G = K / their width a multiple of 32) packed for
-    ``CpuKernels.q4_linear`` on activations of ``dtype`` (float32 or bfloat16): a
+    ``CpuKernels.q4_linear`` on activations of ``dtype`` (float32 or bfloat16) in ``layout`` 0 or
+    1 (1: groups of 32 only; ``CpuKernels.pack_q4`` picks the one its kernels run): a
     :class:`PackedQ4`. Done once, at load."""
     if not (qweight.is_cpu and scale.is_cpu and zero.is_cpu):
         raise ValueError("pack_q4 packs CPU tensors")
@@ -128,17 +135,20 @@ def pack_q4(qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"pack_q4 packs for float32 or bfloat16 activations, not {dtype}")
     group = k // scale.shape[1]
-    codes = _pack_codes(qweight)
+    if layout not in (0, 1) or (layout == 1 and group != cpu_qdot.GROUP):
+        raise ValueError(f"pack_q4 packs layout 0, or layout 1 for groups of {cpu_qdot.GROUP}; not layout {layout} "
+                         f"for groups of {group}")
+    codes = _pack_codes(qweight) if layout == 0 else cpu_qdot.pack_codes(qweight, 4)
     if dtype == torch.float32:
-        return PackedQ4(codes, scale.float().contiguous(), zero.float().contiguous(), None, group, dtype)
+        return PackedQ4(codes, scale.float().contiguous(), zero.float().contiguous(), None, group, dtype, k, layout)
     pairs = torch.stack([scale.to(torch.bfloat16).view(torch.int16), zero.to(torch.bfloat16).view(torch.int16)], -1)
-    return PackedQ4(codes, None, None, pairs.contiguous().view(torch.int32).view(n, -1), group, dtype)
+    return PackedQ4(codes, None, None, pairs.contiguous().view(torch.int32).view(n, -1), group, dtype, k, layout)
 
 
 def unpack_q4(packed: PackedQ4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What :func:`pack_q4` packed, as ``q4_linear`` uses it: the codes uint8 (N, K), and scale and
     zero float32 (N, K / G) (for bfloat16, the bf16-rounded values)."""
-    q = _unpack_codes(packed.codes)
+    q = _unpack_codes(packed.codes) if packed.layout == 0 else cpu_qdot.unpack_codes(packed.codes, packed.k, 4)
     if packed.scale_zero is None:
         return q, packed.scale, packed.zero
     pairs = packed.scale_zero.view(torch.int16).view(packed.n, -1, 2).view(torch.bfloat16)
@@ -158,6 +168,28 @@ class CpuKernels:
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
                 self._fns[name, dtype] = fn
         self._q4 = {dtype: self._fns["q4_linear", dtype] for dtype in _SUFFIX}  # one lookup per call
+        self._qa = {dtype: self._fns["qa_linear", dtype] for dtype in _SUFFIX}
+        self.int8_compiled = bool(lib.qa_available())  # cpu_qdot.c's kernels: the CPU has AVX512-VNNI
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether weights packed now run the int8-activation kernels (compiled in, and not turned
+        off by ``LOOM_CPU_INT8_ACTIVATIONS=0``); a packed weight keeps the choice made at its packing."""
+        return self.int8_compiled and envs.LOOM_CPU_INT8_ACTIVATIONS
+
+    def pack_q4(self, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> PackedQ4:
+        """:func:`pack_q4` in the layout these kernels run fastest: 1 (int8 activations) for groups
+        of 32 where they are compiled in and enabled, else 0."""
+        group = qweight.shape[1] // scale.shape[1] if scale.dim() == 2 and scale.shape[1] else 0
+        return pack_q4(qweight, scale, zero, dtype, int(self.int8_activations and group == cpu_qdot.GROUP))
+
+    def pack_q8(self, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                group_size: int) -> PackedQ8 | None:
+        """An 8-bit weight packed for :meth:`q8a_linear`, or None where it runs ``q8_linear`` on the
+        codes as they are (no int8 activations here, or groups other than 32)."""
+        if not self.int8_activations or group_size != cpu_qdot.GROUP:
+            return None
+        return cpu_qdot.pack_q8(qweight, scale, zero)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -252,8 +284,6 @@ class CpuKernels:
             native.call(fn, x.data_ptr(), x.stride(0), rows, x.shape[1], val.data_ptr(), idx.data_ptr(), torch.get_num_threads())
         return val, idx
 
-    pack_q4 = staticmethod(pack_q4)
-
     def q4_linear(self, x: torch.Tensor, packed: PackedQ4) -> torch.Tensor | None:
         """``x @ w.T`` for the 4-bit group-wise weight ``packed = pack_q4(q, scale, zero, x.dtype)``
         (no bias), summed in fp32, in x's dtype, for up to 8 rows of x (decode). None where the
@@ -276,7 +306,13 @@ class CpuKernels:
             return None
         out = torch.empty(rows, n, dtype=x.dtype)
         if rows and n:
-            if packed.scale_zero is None:
+            if packed.layout == 1:
+                sz = packed.scale_zero
+                rc = native.call(self._qa[x.dtype], 4, xr.data_ptr(), xr.stride(0), packed.codes.data_ptr(),
+                                 0 if sz is None else sz.data_ptr(), 0 if sz is not None else packed.scale.data_ptr(),
+                                 0 if sz is not None else packed.zero.data_ptr(), out.data_ptr(), n, rows, n, k,
+                                 torch.get_num_threads())
+            elif packed.scale_zero is None:
                 rc = native.call(fn, xr.data_ptr(), xr.stride(0), packed.codes.data_ptr(), packed.scale.data_ptr(),
                         packed.zero.data_ptr(), out.data_ptr(), n, rows, n, k, packed.group_size,
                         torch.get_num_threads())
@@ -286,6 +322,27 @@ class CpuKernels:
             if rc:
                 return None  # out of memory for the group sums (the checks above cover the rest)
         return out if shape is None else out.view(shape)
+
+
+    def q8a_linear(self, x: torch.Tensor, packed: PackedQ8) -> torch.Tensor | None:
+        """``x @ w.T`` for the 8-bit weight :meth:`pack_q8` packed, x quantized to int8 per group of
+        32 (``cpu_qdot.c``), in x's dtype, for up to 8 rows; None where the kernel cannot take it."""
+        fn = self._qa.get(x.dtype)
+        if fn is None or x.ndim == 0 or x.shape[-1] != packed.k or not x.is_cpu:
+            return None
+        xr = _rows(x)
+        rows, n = xr.shape[0], packed.n
+        if rows > _Q8_MAX_ROWS:
+            return None
+        out = torch.empty(rows, n, dtype=x.dtype)
+        if rows and n:
+            zero = packed.zero
+            rc = native.call(fn, 8, xr.data_ptr(), xr.stride(0), packed.codes.data_ptr(), 0, packed.scale.data_ptr(),
+                             0 if zero is None else zero.data_ptr(), out.data_ptr(), n, rows, n, packed.k,
+                             torch.get_num_threads())
+            if rc:
+                return None
+        return out.view(*x.shape[:-1], n)
 
 
 def _q4_dequantize(packed: PackedQ4) -> torch.Tensor:
@@ -372,6 +429,28 @@ def _self_check(k: CpuKernels) -> None:
         if not torch.allclose(got.float(), want, rtol=q8_tol, atol=q8_tol * want.abs().max().item()):
             raise native.NativeKernelError(f"the compiled q4_linear disagrees with torch in {dtype} "
                                            f"(max error {(got.float() - want).abs().max():.3g})")
+        if k.int8_activations:
+            _self_check_int8_activations(k, dtype, q8_tol, g)
+
+
+def _self_check_int8_activations(k: CpuKernels, dtype: torch.dtype, tol: float, g: torch.Generator) -> None:
+    """The int8-activation kernels (4- and 8-bit) against ``cpu_qdot.emulate``: 3 rows, 21 outputs,
+    K = 608 (a superblock of 16 groups and one of 3)."""
+    n, kk = 21, 608
+    x = torch.randn(3, kk, generator=g).to(dtype)
+    sc, zp = torch.rand(n, kk // 32, generator=g) * 0.02, torch.randn(n, kk // 32, generator=g) * 0.01
+    q4 = k.pack_q4(torch.randint(0, 16, (n, kk), generator=g, dtype=torch.uint8), sc, zp, dtype)
+    codes, scale, zero = unpack_q4(q4)
+    checks = [("q4_linear", k.q4_linear(x, q4), cpu_qdot.emulate(x, codes, scale, zero - 8 * scale))]
+    q8w = torch.randint(0, 256, (n, kk), generator=g, dtype=torch.uint8)
+    q8 = k.pack_q8(q8w, sc, zp, 32)
+    checks.append(("q8a_linear", k.q8a_linear(x, q8), cpu_qdot.emulate(x, q8w, sc, zp - 128 * sc)))
+    for name, got, want in checks:
+        want = want.float()
+        if got is None or got.dtype != dtype or got.shape != want.shape or not torch.allclose(
+                got.float(), want, rtol=tol, atol=tol * want.abs().max().item()):
+            raise native.NativeKernelError(f"the compiled {name} with int8 activations disagrees with its "
+                                           f"emulation in {dtype}")
 
 
 @functools.cache
@@ -380,7 +459,8 @@ def kernels() -> CpuKernels | None:
     if not envs.LOOM_CPU_NATIVE_KERNELS:
         return None
     try:
-        source = resources.files(__package__).joinpath("cpu_kernels.c").read_bytes()
+        files = resources.files(__package__)  # cpu_qdot.c uses cpu_kernels.c's helpers: one unit
+        source = files.joinpath("cpu_kernels.c").read_bytes() + files.joinpath("cpu_qdot.c").read_bytes()
         k = CpuKernels(ctypes.CDLL(native._build(native._compiler(), source, "cpu_kernels", "the CPU fused ops")))
         _self_check(k)
         return k

@@ -31,14 +31,16 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float], what: str) -> None:
-    """Fail with the worst element and what to fix."""
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: tuple[float, float], what: str,
+                 allowance: torch.Tensor | None = None) -> None:
+    """Fail with the worst element and what to fix; ``allowance``: an error each element may have
+    on top of the tolerances (a documented rounding of the inputs)."""
     atol, rtol = tol
     actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
     if actual.shape != expected.shape:
         pytest.fail(f"{what}: shape {tuple(actual.shape)}, the reference's is {tuple(expected.shape)}")
     diff = (actual - expected).abs()
-    bad = diff > atol + rtol * expected.abs()
+    bad = diff > atol + rtol * expected.abs() + (0 if allowance is None else allowance.float().cpu())
     if bad.any() or not torch.isfinite(actual).all():
         worst = int(torch.nan_to_num(diff, nan=float("inf")).argmax())
         pytest.fail(
