@@ -8,7 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 from loom.config import CacheConfig, LoRAConfig, SchedulerConfig
+from loom.engine.core import EngineCore
+from loom.engine.executor import Executor
 from loom.engine.llm_engine import EngineStepError, LLMEngine
+from loom.ipc.messages import AbortRequests, AddRequest
 from loom.outputs import RequestOutput
 from loom_plugin_api import SamplingParams
 from loom_plugin_api.step import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
@@ -18,7 +21,7 @@ V = 500  # ids below 500 are plain ASCII pieces in GPT-2's vocabulary
 EOS = 7
 
 
-class FakeExecutor:
+class FakeExecutor(Executor):
     """A worker that honours the protocol without a model.
 
     It keeps a fake KV cache (the token id written at each slot) and derives the next
@@ -429,3 +432,59 @@ def test_the_multiproc_executor_gives_up_on_a_step_after_its_timeout():
     assert 0.3 <= time.monotonic() - started < 3
     assert [m.body for m in executor.pending] == [AbortRequests(request_ids=["x"])]  # kept for the engine loop
     assert executor.channel.sent[0][0] == "workers"
+
+
+class PipelinedExecutor(FakeExecutor):
+    """Runs a step at ``collect``, and logs when each step was dispatched and collected."""
+
+    def __init__(self, num_blocks: int, log: list) -> None:
+        super().__init__(num_blocks)
+        self.log = log
+
+    def dispatch(self, out: SchedulerOutput) -> None:
+        self.log.append(("dispatch", len(out.scheduled)))
+
+    def collect(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.log.append(("collect", len(out.scheduled)))
+        return self.execute_model(out)
+
+
+class ScriptedInbox:
+    """Commands by loop iteration; None (stop) once the script is done and the engine is idle."""
+
+    def __init__(self, engine: LLMEngine, script: dict[int, list]) -> None:
+        self.engine, self.script, self.calls = engine, script, 0
+
+    def get(self, block: bool):
+        self.calls += 1
+        if self.calls > max(self.script) and not self.engine.has_unfinished_requests():
+            return None
+        return self.script.get(self.calls, [])
+
+
+def test_the_engine_loop_reports_a_step_after_starting_the_next():
+    """``EngineCore.run`` (serve, the in-process engine): step N's tokens are reported after step N + 1
+    went to the workers, so they compute while the front end is told; the answers are those of
+    the unpipelined ``step``, and an abort is applied between two steps (the aborted request is
+    in no step after it, and its in-flight token is not reported)."""
+    log: list = []
+    engine = make_engine()
+    engine.executor = PipelinedExecutor(engine.executor.num_blocks, log)
+    add = [AddRequest(request_id=str(i), prompt=None, prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=6))
+           for i, p in enumerate(random_prompts(2, seed=3))]
+    reports = []
+    inbox = ScriptedInbox(engine, {1: add[:1], 3: add[1:], 5: [AbortRequests(request_ids=["1"])]})
+    EngineCore(engine).run(inbox, lambda out: (log.append(("report", len(out.outputs))), reports.append(out)))
+    # every report of a step's outputs comes after the next step's dispatch, while one runs
+    kinds = [k for k, _ in log]
+    for i, kind in enumerate(kinds):
+        if kind == "report" and "collect" in kinds[i + 1:]:
+            assert kinds[i - 1] == "dispatch", log
+    text = {}
+    for out in reports:
+        for o in out.outputs:
+            text.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+    want = generate(make_engine(), [add[0].prompt_token_ids], SamplingParams(max_tokens=6))[0]
+    assert text["0"] == list(want.outputs[0].token_ids)
+    assert 0 < len(text.get("1", [])) < 6  # aborted after a token or two, nothing after
+    assert ("dispatch", 2) in log and log[-2:] == [("collect", 1), ("report", 1)]

@@ -44,14 +44,15 @@ def build_tiny_llama(path: Path) -> Path:
 
 
 class StepGate:
-    """Wraps ``engine.step``: while closed, every step after the next one waits until it opens."""
+    """Wraps ``engine.finish_step`` (where the engine loop takes a step's tokens): while closed,
+    every step after the next one waits there until it opens (its outputs unreported)."""
 
     def __init__(self, engine: object) -> None:
-        self._step = engine.step
+        self._step = engine.finish_step
         self._open = threading.Event()
         self._open.set()
         self._allowed = 0
-        engine.step = self.step  # type: ignore[attr-defined]
+        engine.finish_step = self.step  # type: ignore[attr-defined]
 
     def hold_after_one_step(self) -> None:
         self._allowed = 1
@@ -60,13 +61,13 @@ class StepGate:
     def release(self) -> None:
         self._open.set()
 
-    def step(self):  # type: ignore[no-untyped-def]
+    def step(self, started):  # type: ignore[no-untyped-def]
         if not self._open.is_set():
             if self._allowed:
                 self._allowed -= 1
             else:
                 assert self._open.wait(60), "the test did not release the engine"
-        return self._step()
+        return self._step(started)
 
 
 @pytest.fixture(scope="module")

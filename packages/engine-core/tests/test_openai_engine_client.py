@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from loom.config import CacheConfig, LoRAConfig, SchedulerConfig
 from loom.engine.errors import EngineDeadError, RequestFailedError
+from loom.engine.executor import Executor
 from loom.engine.inproc import InprocAsyncLLM
 from loom.metrics import load_stat_loggers
 from loom_plugin_api import PluginError, SamplingParams
@@ -17,7 +18,7 @@ from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
 TOKEN = 11  # never the EOS below, so max_tokens ends every request
 
 
-class CountingExecutor:
+class CountingExecutor(Executor):
     """Samples TOKEN for every request that samples; ``fail_next`` makes the next step raise."""
 
     def __init__(self, num_blocks: int = 64) -> None:
@@ -175,7 +176,7 @@ def test_dead_engine_fails_every_request_and_names_the_cause() -> None:
     async def main():
         stream = client.generate("a", None, [1, 2], SamplingParams(max_tokens=50))
         await stream.__anext__()
-        client.engine.step = broken_step
+        client.engine.start_step = broken_step  # what the engine loop calls each step
         with pytest.raises(EngineDeadError) as in_flight:
             async for _ in stream:
                 pass

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from loom_plugin_api.step import SchedulerOutput
+
 from ..ipc.messages import AbortRequests, AddRequest, EngineOutputs, RequestError
 from ..logger import init_logger
 from .errors import EngineStepError
@@ -39,21 +41,30 @@ class EngineCore:
         ``raise_errors`` (``loom.LLM``, whose caller is the user): a refused request or a failed
         step raises as it is instead of becoming a per-request error of the report.
         """
-        engine = self.engine
         errors = self.apply(commands, raise_errors=raise_errors)
         outputs = []
-        if engine.has_unfinished_requests():
-            try:
-                outputs = engine.step()
-            except EngineStepError as e:
-                if raise_errors:
-                    raise
-                logger.error("%s", e, exc_info=e.__cause__)
-                errors.extend(RequestError(request_id=i, message=str(e), status=500) for i in e.request_ids)
+        if self.engine.has_unfinished_requests():
+            started = self.engine.start_step()
+            if started is not None:
+                outputs = self._finish(started, errors, raise_errors)
+        return self._report(outputs, errors, commands)
+
+    def _finish(self, started: SchedulerOutput, errors: list[RequestError], raise_errors: bool = False) -> list:
+        """The started step's outputs; a failed step's requests become ``errors``."""
+        try:
+            return self.engine.finish_step(started)
+        except EngineStepError as e:
+            if raise_errors:
+                raise
+            logger.error("%s", e, exc_info=e.__cause__)
+            errors.extend(RequestError(request_id=i, message=str(e), status=500) for i in e.request_ids)
+            return []
+
+    def _report(self, outputs: list, errors: list[RequestError], commands: Sequence[Command]) -> EngineOutputs | None:
         if not (outputs or errors or commands):
             return None
         # Stats go with every report: a handful of integers beside the step's deltas.
-        return EngineOutputs(outputs=outputs, errors=errors, stats=engine.get_stats())
+        return EngineOutputs(outputs=outputs, errors=errors, stats=self.engine.get_stats())
 
     def apply(self, commands: Sequence[Command], *, raise_errors: bool = False) -> list[RequestError]:
         """Add and abort requests, in order; the errors of the adds the engine refused."""
@@ -81,11 +92,25 @@ class EngineCore:
             errors.append(RequestError(request_id=req.request_id, message=f"{type(e).__name__}: {e}", status=500))
 
     def run(self, inbox: Inbox, report: Callable[[EngineOutputs], None]) -> None:
-        """Step while there is work, wait for commands while there is none, until ``inbox`` says stop."""
+        """Step while there is work, wait for commands while there is none, until ``inbox`` says stop.
+
+        Pipelined by one step: a step's outputs are reported after the next step has started on
+        the workers (``LLMEngine.start_step``), so the workers do not wait for the report (and the
+        front end's wake-up) between two tokens. Commands are applied between steps, as in
+        :meth:`step`: after the running step finished, before the next one is scheduled."""
+        engine, started = self.engine, None
         while True:
-            commands = inbox.get(block=not self.engine.has_unfinished_requests())
+            commands = inbox.get(block=started is None and not engine.has_unfinished_requests())
             if commands is None:
                 return
-            out = self.step(commands)
+            outputs: list = []
+            errors: list[RequestError] = []
+            if started is not None:
+                outputs = self._finish(started, errors)
+                started = None
+            errors.extend(self.apply(commands))
+            if engine.has_unfinished_requests():
+                started = engine.start_step()
+            out = self._report(outputs, errors, commands)
             if out is not None:
                 report(out)

@@ -31,6 +31,15 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def dispatch(self, scheduler_output: SchedulerOutput) -> None:
+        """Start the step, to be finished by :meth:`collect` with the same ``scheduler_output``;
+        the engine loop reports the previous step's outputs in between. By default nothing starts
+        before ``collect`` (an in-process worker has no other thread to run it on)."""
+
+    def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The output of the step :meth:`dispatch` started (waiting for it)."""
+        return self.execute_model(scheduler_output)
+
     @property
     def died(self) -> bool:
         """Whether a rank died in a way the executor has already reported (a Ray actor's

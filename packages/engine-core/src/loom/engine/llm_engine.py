@@ -56,6 +56,7 @@ class LLMEngine:
         self._arrival = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._dispatch_error: Exception | None = None
         logger.info(
             "Engine: %d KV-cache blocks of %d tokens (%d tokens), prefix caching %s, eos_token_id=%s",
             executor.num_blocks, cache_config.block_size, executor.num_blocks * cache_config.block_size,
@@ -188,9 +189,27 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        started = self.start_step()
+        return [] if started is None else self.finish_step(started)
+
+    def start_step(self) -> SchedulerOutput | None:
+        """Schedule the next step and start it on the workers (:meth:`Executor.dispatch`); None
+        when there is nothing to run. :meth:`finish_step` waits for it and turns its tokens into
+        outputs; in between the engine loop reports the previous step's outputs, so the workers
+        compute while the front end is told."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
-            return []
+            return None
+        self._dispatch_error = None
+        try:
+            self.executor.dispatch(scheduler_output)
+        except EngineFatalError:
+            raise
+        except Exception as e:  # failed like the step itself: finish_step handles it so
+            self._dispatch_error = e
+        return scheduler_output
+
+    def finish_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         runner_output = self._execute(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generation_tokens += len(updated)
@@ -198,7 +217,9 @@ class LLMEngine:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
-            return self.executor.execute_model(scheduler_output)
+            if self._dispatch_error is not None:
+                raise self._dispatch_error
+            return self.executor.collect(scheduler_output)
         except EngineFatalError:
             raise  # nothing to retry: the engine's process ends
         except Exception as e:

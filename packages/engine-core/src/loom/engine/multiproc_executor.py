@@ -67,5 +67,11 @@ class MultiprocExecutor(Executor):
             self.pending.append(msg)  # front-end traffic: the engine loop handles it
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.dispatch(scheduler_output)
+        return self.collect(scheduler_output)
+
+    def dispatch(self, scheduler_output: SchedulerOutput) -> None:
         self.channel.send("workers", scheduler_output)
+
+    def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._recv_from_workers(ModelRunnerOutput, self.step_timeout)
