@@ -225,15 +225,22 @@ def test_int8_activations_stay_close_to_the_dense_model(tiny_gguf, monkeypatch):
         return
     dense = get_model(make_config(tiny_gguf, quantization="none"))
     packed = get_model(make_config(tiny_gguf, quantization="gguf"))
-    assert all(m.weight.kernel_weight().q4 is None or m.weight.kernel_weight().q4.layout == 1
-               for m in packed.modules() if isinstance(getattr(m, "weight", None), QuantizedLinear))
-    assert packed.logits_processor.quantized_head.kernel_weight().q8 is not None
+    prepared = [m.weight.kernel_weight() for m in packed.modules() if isinstance(getattr(m, "weight", None), QuantizedLinear)]
+    # the CPU platform's layers hold its kernels' layouts; another platform (the dummy one) runs the
+    # contract's path on the neutral weights, where nothing rounds x
+    on_cpu_kernels = all(isinstance(p, CpuQuantizedWeight) for p in prepared)
+    if on_cpu_kernels:
+        assert all(p.q4 is None or p.q4.layout == 1 for p in prepared)
+        assert packed.logits_processor.quantized_head.kernel_weight().q8 is not None
     prompt = [5, 17, 200, 3, 42, 261, 0]
     with torch.inference_mode():
         for rows in ([p] for p in prompt):  # one-token prompts: every linear on the few-rows kernels
             got, want = run_prefill(packed, [rows])[0], run_prefill(dense, [rows])[0]
             err = (got - want).abs().max() / want.abs().max()
-            assert 0 < err < 0.1, err  # nonzero: the int8 kernels ran; 4-7% measured here
+            if on_cpu_kernels:
+                assert 0 < err < 0.1, err  # nonzero: the int8 kernels ran; 4-7% measured here
+            else:
+                assert err < 1e-4, err
         assert greedy_generate(packed, prompt, 8) == greedy_generate(dense, prompt, 8)
 
 

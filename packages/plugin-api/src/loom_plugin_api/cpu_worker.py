@@ -2,7 +2,8 @@
 
 The built-in CPU platform uses it, and an out-of-tree platform that computes on the host
 (or any device torch allocates on without a memory budget of its own) may subclass it and
-change only what differs. It runs the reference ``ModelRunner``.
+change only what differs. It runs ``model_runner_cls``: the reference ``ModelRunner``, or a
+subclass a platform names (one that replays recorded steps in ``run_model``, say).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _keep_large_allocations_in_the_heap() -> None:
 
 class CPUWorker(WorkerBase):
     model_runner: ModelRunner
+    model_runner_cls: type[ModelRunner] = ModelRunner
+    """The runner ``load_model`` builds around the model: a platform's subclass of ``ModelRunner``."""
 
     def init_device(self) -> None:
         _keep_large_allocations_in_the_heap()
@@ -51,7 +54,7 @@ class CPUWorker(WorkerBase):
 
     def load_model(self) -> None:
         model = self.services.build_model(self.config, self.device)
-        self.model_runner = ModelRunner(self.config, model, self.device, self.services)
+        self.model_runner = self.model_runner_cls(self.config, model, self.device, self.services)
 
     def determine_available_memory(self) -> int:
         if self.config.cache_config.kv_cache_memory_bytes:

@@ -56,9 +56,12 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     parts = []
     for g0, count, groups in _superblocks(k):
         src, registers = _order(groups)
-        blk = q[:, g0 * GROUP:(g0 + count * groups) * GROUP].reshape(n, count, groups * GROUP)
-        blk = torch.cat([blk, blk.new_zeros(n, count, 1)], dim=-1)  # index -1: a zero
-        reg = blk[:, :, src].view(n, count, registers, 64)
+        blk = q[:, g0 * GROUP:(g0 + count * groups) * GROUP]
+        if groups == _SB:  # whole superblocks: (group, v, b) -> (v, group, b), a transpose (fast)
+            reg = blk.reshape(n, count, _SB, 8, 4).transpose(2, 3).reshape(n, count, registers, 64)
+        else:  # the last one, folded (a gather; small)
+            blk = torch.cat([blk.reshape(n, count, groups * GROUP), blk.new_zeros(n, count, 1)], dim=-1)
+            reg = blk[:, :, src].view(n, count, registers, 64)  # index -1: the zero
         if bits == 4:  # pairs of registers in the low and high nibbles; a lone one in its own halves
             reg = reg[..., :32] | (reg[..., 32:] << 4) if registers == 1 else reg[:, :, 0::2] | (reg[:, :, 1::2] << 4)
         parts.append(reg.reshape(n, -1))

@@ -79,7 +79,4 @@ class CpuModelRunner(ModelRunner):
 
 class CPUWorker(_ContractCPUWorker):
     model_runner: CpuModelRunner
-
-    def load_model(self) -> None:
-        model = self.services.build_model(self.config, self.device)
-        self.model_runner = CpuModelRunner(self.config, model, self.device, self.services)
+    model_runner_cls = CpuModelRunner
