@@ -197,8 +197,22 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def random_k_blocks(rows: int, cols: int, type_name: str, seed: int) -> np.ndarray:
+    """Raw Q4_K or Q6_K super-blocks (``(rows, bytes)`` uint8) of random codes, scales and mins with
+    fp16 super-block scales of a weight-like size: the ``gguf`` package cannot quantize to
+    K-quants, and a model only needs the file's values to be what both load paths read."""
+    rng = np.random.default_rng(seed)
+    size, fields = {"Q4_K": (144, ((0, 2e-4), (2, 1e-3))), "Q6_K": (210, ((208, 3e-5),))}[type_name]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for offset, magnitude in fields:
+        halves = rng.uniform(0.5, 1.5, blocks.shape[:2]).astype(np.float16) * np.float16(magnitude)
+        blocks[..., offset:offset + 2] = halves[..., None].view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
+
+
 def _write_tiny_gguf(path: str, hf_model, arch: str = "llama", quant=None) -> None:
-    """``quant(gguf_name)``: the GGML type to store a 2-D tensor as (None: F32)."""
+    """``quant(gguf_name)``: the GGML type to store a 2-D tensor as (None: F32); K-quants hold
+    :func:`random_k_blocks` instead of the model's weights."""
     import gguf
 
     cfg = hf_model.config
@@ -241,7 +255,9 @@ def _write_tiny_gguf(path: str, hf_model, arch: str = "llama", quant=None) -> No
             elif module == "self_attn.k_proj":
                 w = _permute(w, cfg.num_key_value_heads)
         qtype = quant(gname) if quant is not None and w.ndim == 2 else None
-        if qtype is not None:
+        if qtype is not None and qtype.name in ("Q4_K", "Q6_K"):
+            writer.add_tensor(gname, random_k_blocks(*w.shape, qtype.name, len(gname)), raw_dtype=qtype)
+        elif qtype is not None:
             writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gname, w)

@@ -16,14 +16,20 @@ from loom import envs
 from loom.layers import quantized
 from loom.layers.quantized import CpuQuantizedWeight, cpu_quantized_linear, quantize_rtn
 from loom.model_loader import get_model
-from loom.model_loader.gguf_quant import dequantize_int4, dequantize_q8_0, split_blocks, split_int4_blocks
+from loom.model_loader.gguf_quant import (
+    FORMATS,
+    dequantize_int4,
+    dequantize_q8_0,
+    split_blocks,
+    split_int4_blocks,
+)
 from loom.platforms import cpu_qdot
 from loom.platforms.cpu_kernels import kernels, unpack_q4
 from loom.transformers_utils.tokenizer import get_tokenizer
 from loom_plugin_api.custom_op import kernel_registry
 from loom_plugin_api.ops import QuantizedLinear, QuantizedWeight
 from model_utils import greedy_generate, install_quantized_kernel, make_config, run_prefill, tp_prefill_worker
-from test_gguf import QUESTION, SMOLLM2, _write_tiny_gguf, cache_root  # noqa: F401 (its module-wide LOOM_CACHE_DIR)
+from test_gguf import QUESTION, SMOLLM2, _write_tiny_gguf, cache_root, random_k_blocks  # noqa: F401 (its module-wide LOOM_CACHE_DIR)
 
 gguf = pytest.importorskip("gguf")
 Q4 = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
@@ -73,6 +79,69 @@ def test_blocks_decode_exactly_as_gguf_dequantizes(qtype):
         np.testing.assert_array_equal(dequantize_q8_0(raw), gguf.quants.dequantize(raw, qtype))
         with pytest.raises(ValueError, match="Q8_0 is not a 4-bit block format"):
             split_int4_blocks(raw, "Q8_0")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_k_quant_blocks_decode_as_gguf_dequantizes(type_name):
+    """Q4_K and Q6_K super-blocks as codes, scales and zeros: the weights gguf's own dequantizer
+    gives (to one fp32 rounding of Q4_K's zero term; in practice every bit)."""
+    raw = random_k_blocks(6, 768, type_name, seed=1)
+    q, scale, zero = (torch.from_numpy(a) for a in split_blocks(raw, type_name))
+    bits, group = FORMATS[type_name]
+    assert q.shape == (6, 768) and scale.shape == zero.shape == (6, 768 // group) and q.dtype == torch.uint8
+    assert int(q.max()) < 2 ** bits and (type_name == "Q4_K" or int(q.min()) >= 96)
+    got = QuantizedWeight(q, scale, zero, bits, group).dequantize().numpy()
+    want = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, type_name)).reshape(6, 768)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    with pytest.raises(ValueError, match="not whole super-blocks"):
+        split_blocks(raw[:, :-1], type_name)
+
+
+@pytest.fixture(scope="module")
+def tiny_k_gguf(tmp_path_factory):
+    """A Llama of K-quant widths (hidden 256, MLP 512) stored as a Q4_K_M file is: Q4_K q/k/o and
+    gate/up, Q6_K v, down and the LM head (random blocks: the file's values are the model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=3 + 259, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         rope_theta=1000.0, tie_word_embeddings=False)
+    path = str(tmp_path_factory.mktemp("tiny_k") / "tiny-k.gguf")
+    q4_k, q6_k = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+
+    def quant(name: str):
+        if name == "output.weight" or name.endswith(("attn_v.weight", "ffn_down.weight")):
+            return q6_k
+        return q4_k if name.startswith("blk.") else None
+
+    _write_tiny_gguf(path, LlamaForCausalLM(config).float().eval(), quant=quant)
+    return path
+
+
+@pytest.mark.parametrize("int8_x", ["0", "1"])
+def test_k_quant_layers_stay_quantized_and_match_dequantized(tiny_k_gguf, monkeypatch, int8_x):
+    """Q4_K layers run as 4-bit groups of 32, Q6_K ones as 8-bit groups of 16 (the exact 8-bit
+    kernel); q/k/v mix the two and stay dense. Decode-sized steps give the dequantized model's
+    logits (x exact: tightly; int8 x on the Q4_K layers: moved, and within a bound that only
+    catches a broken kernel; test_cpu_qdot.py checks the rounding itself)."""
+    monkeypatch.setenv("LOOM_CPU_INT8_ACTIVATIONS", int8_x)
+    dense = get_model(make_config(tiny_k_gguf, quantization="none"))
+    packed = get_model(make_config(tiny_k_gguf, quantization="gguf"))
+    layers = _quantized_layers(packed)
+    assert layers == {"model.layers.0.self_attn.o_proj": 4, "model.layers.0.mlp.gate_up_proj": 4,
+                      "model.layers.0.mlp.down_proj": 8}, layers
+    head = packed.logits_processor.quantized_head
+    assert head is not None and head.kernel_weight().bits == 8 and head.kernel_weight().group_size == 16
+    _assert_same_state(packed, dense)
+    with torch.inference_mode():
+        for prompt in ([5], [17], [200, 3, 42]):
+            got, want = run_prefill(packed, [prompt])[0], run_prefill(dense, [prompt])[0]
+            err = float((got - want).abs().max() / want.abs().max())
+            if int8_x == "0" or not kernels().int8_compiled:
+                assert err < 1e-4, err
+            else:  # the Q4_K layers rounded x: 16% of the logits' range measured on these random blocks
+                assert 0 < err < 0.3, err
 
 
 @pytest.mark.parametrize("qtype", [*Q4, Q8_0], ids=lambda t: t.name)

@@ -18,6 +18,18 @@ applies to all three alike.
 Q8_0 blocks are an fp16 scale ``d`` and 32 int8 weights ``c``, the value ``d * c``:
 :func:`split_blocks` gives them as 8-bit codes ``c + 128`` with ``scale = d`` and ``zero = 0``
 (``QuantizedWeight``'s form, codes offset by ``2**(bits-1)``).
+
+Two K-quants, the formats of the ``Q4_K_M`` files most GGUF models ship as, fit the same form:
+
+- Q4_K: super-blocks of 256 weights (144 bytes): fp16 ``d`` and ``dmin``, eight 6-bit scales
+  ``sc`` and mins ``m`` packed in 12 bytes, and 128 bytes of nibbles (per 64 weights, 32 bytes:
+  low nibbles the first 32, high nibbles the next). A weight of sub-block ``j`` (32 weights) is
+  ``d * sc_j * q - dmin * m_j``: 4-bit codes in groups of 32 with ``scale = d * sc_j`` (exact in
+  fp32: 11 by 6 bits) and ``zero = 8 * scale - dmin * m_j`` (one fp32 rounding at most).
+- Q6_K: super-blocks of 256 weights (210 bytes): 128 bytes of low nibbles, 64 of high bit
+  pairs, sixteen int8 scales and an fp16 ``d``; a weight of sub-block ``j`` (16 weights) is
+  ``d * sc_j * (q - 32)``, q 0..63: 8-bit codes ``q + 96`` in groups of 16 with
+  ``scale = d * sc_j`` (exact) and ``zero = 0``.
 """
 
 from __future__ import annotations
@@ -27,15 +39,17 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["BITS", "GROUP_SIZE", "INT4_TYPES", "dequantize_int4", "dequantize_q8_0", "split_blocks",
+__all__ = ["BITS", "FORMATS", "GROUP_SIZE", "INT4_TYPES", "dequantize_int4", "dequantize_q8_0", "split_blocks",
            "split_int4_blocks"]
 
 GROUP_SIZE = 32
 INT4_TYPES = ("Q4_0", "Q4_1")
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
-"""GGUF types that load as quantized groups (``--quantization gguf``), by code width; others are
-dequantized."""
+FORMATS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q6_K": (8, 16)}
+"""GGUF types that load as quantized groups (``--quantization gguf``): (code width, group size);
+others are dequantized."""
+BITS = {name: bits for name, (bits, _) in FORMATS.items()}
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+_SUPER = 256  # weights a K-quant super-block
 
 
 def _blocks(raw: np.ndarray, block: int) -> torch.Tensor:
@@ -69,8 +83,50 @@ def split_int4_blocks(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.n
     return q.view(rows, -1).numpy(), d.numpy(), zero.numpy()
 
 
+def _k_blocks(raw: np.ndarray, type_name: str, block: int) -> torch.Tensor:
+    rows, nbytes = raw.shape
+    if nbytes % block:
+        raise ValueError(f"a {type_name} row of {nbytes} bytes is not whole super-blocks of {block}")
+    return _blocks(raw, block)
+
+
+def _split_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    blocks = _k_blocks(raw, "Q4_K", 144)
+    rows, nsb = blocks.shape[:2]
+    d, dmin = _fp16_field(blocks, 0), _fp16_field(blocks, 2)  # (rows, nsb)
+    s = blocks[..., 4:16].to(torch.int32)  # the 12 bytes of scales and mins
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)], dim=-1)
+    m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
+    scale = d.unsqueeze(-1) * sc.float()  # (rows, nsb, 8)
+    zero = scale * 8.0 - dmin.unsqueeze(-1) * m.float()
+    nib = blocks[..., 16:].reshape(rows, nsb, 4, 32)  # per 64 weights: low nibbles, then high
+    q = torch.stack([nib & 0x0F, nib >> 4], dim=3)  # (rows, nsb, 4, 2, 32)
+    return q.reshape(rows, -1).numpy(), scale.reshape(rows, -1).numpy(), zero.reshape(rows, -1).numpy()
+
+
+def _split_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    blocks = _k_blocks(raw, "Q6_K", 210)
+    rows, nsb = blocks.shape[:2]
+    ql = blocks[..., 0:128].reshape(rows, nsb, 2, 2, 32)  # (half, bytes 0-31 / 32-63, l)
+    qh = blocks[..., 128:192].reshape(rows, nsb, 2, 1, 32)  # (half, l)
+    sc = blocks[..., 192:208].view(torch.int8).float()  # (rows, nsb, 16)
+    d = _fp16_field(blocks, 208)
+    # per half of 128: weights l, l + 32, l + 64, l + 96 from ql[l], ql[l + 32] (low nibbles, then
+    # high) and the bit pairs 0, 1, 2, 3 of qh[l]
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=3)  # (rows, nsb, 2, 4, 32): quarters 0..3
+    high = torch.cat([(qh >> (2 * k)) & 3 for k in range(4)], dim=3)
+    q = low | (high << 4)  # 0..63
+    return ((q + 96).reshape(rows, -1).numpy(), (d.unsqueeze(-1) * sc).reshape(rows, -1).numpy(),
+            torch.zeros(rows, nsb * 16).numpy())
+
+
 def split_blocks(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(q, scale, zero)`` of a Q4_0, Q4_1 or Q8_0 tensor from its raw ``(rows, bytes per row)`` bytes."""
+    """``(q, scale, zero)`` of a tensor of a type in :data:`FORMATS` from its raw ``(rows, bytes
+    per row)`` bytes; groups of ``FORMATS[type_name][1]``."""
+    if type_name == "Q4_K":
+        return _split_q4_k(raw)
+    if type_name == "Q6_K":
+        return _split_q6_k(raw)
     if type_name != "Q8_0":
         return split_int4_blocks(raw, type_name)
     rows, nbytes = raw.shape

@@ -4,12 +4,13 @@ Read straight from a memory map of the GGUF file, through the tensor index the c
 keeps (the cache's fp32 safetensors hold dequantized weights):
 
 1. Each linear layer of the model (``LinearBase``) whose checkpoint tensors all have one of the
-   block formats Q4_0, Q4_1 (4-bit) or Q8_0 (8-bit) (a fused layer has several: q/k/v,
-   gate/up) trades its dense weight for quantized parameters
-   (``loom.layers.quantized.make_quantized_params``). Other formats (K-quants, F16, F32), mixed
-   widths within a fused layer, the embedding, the norms and any layer whose per-rank input
-   width is not whole groups of 32 load dequantized to the model's dtype, as with
-   ``--quantization none``.
+   block formats of ``gguf_quant.FORMATS`` with one width and group (a fused layer has several:
+   q/k/v, gate/up): Q4_0, Q4_1, Q4_K (4-bit, groups of 32), Q8_0 (8-bit, 32) or Q6_K (8-bit,
+   16), trades its dense weight for quantized parameters
+   (``loom.layers.quantized.make_quantized_params``). Other formats (Q5_K and the other
+   K-quants, F16, F32), mixed formats within a fused layer, the embedding, the norms and any
+   layer whose per-rank input width is not whole groups load dequantized to the model's dtype,
+   as with ``--quantization none``.
 2. The tensors are streamed through ``model.load_weights``: a quantized layer's tensor as three,
    ``<name>.qweight/.qscale/.qzero`` (``gguf_quant.split_blocks``, Q/K rows put back in HF
    order), so tensor-parallel slicing and fused shards load as for a dense weight.
@@ -44,7 +45,7 @@ from ..logger import init_logger
 from ..progress import progress_bar
 from .base import load_weights_into
 from .gguf_loader import cached_gguf_entries, dequantized, reverse_permute
-from .gguf_quant import BITS, GROUP_SIZE, split_blocks
+from .gguf_quant import FORMATS, split_blocks
 
 logger = init_logger(__name__)
 
@@ -62,21 +63,23 @@ def _module_of(model: nn.Module, hf_name: str) -> str:
 
 def _choose_quantized_layers(model: nn.Module, entries: list) -> dict[str, int]:
     """Quantized parameters for every linear layer whose checkpoint tensors share one block
-    format's width; ``{module name: bits}``."""
-    kinds: dict[str, set[int | None]] = {}
+    format's width and group size (q/k/v of Q4_K and Q6_K stay dense: one layer, one group);
+    ``{module name: bits}``."""
+    kinds: dict[str, set[tuple[int, int] | None]] = {}
     for name, _, tensor, _ in entries:
         if name.endswith(".weight"):
-            kinds.setdefault(_module_of(model, name), set()).add(BITS.get(tensor.type_name))
+            kinds.setdefault(_module_of(model, name), set()).add(FORMATS.get(tensor.type_name))
     chosen = {}
-    for module_name, widths in kinds.items():
-        if len(widths) != 1 or None in widths:
+    for module_name, formats in kinds.items():
+        if len(formats) != 1 or None in formats:
             continue
         try:
             module = model.get_submodule(module_name)
         except AttributeError:
             continue
-        if isinstance(module, LinearBase) and make_quantized_params(module, GROUP_SIZE):
-            chosen[module_name] = widths.pop()
+        bits, group = formats.pop()
+        if isinstance(module, LinearBase) and make_quantized_params(module, group):
+            chosen[module_name] = bits
     return chosen
 
 
@@ -111,19 +114,19 @@ def _quantized_head(model: nn.Module, entries: list, dtype: torch.dtype) -> Quan
         return None
     wanted = "model.embed_tokens.weight" if embed is not None and lm_head.weight is embed.weight else "lm_head.weight"
     found = [(shape, tensor) for name, shape, tensor, _ in entries if name == wanted]
-    if len(found) != 1 or found[0][1].type_name not in BITS or found[0][0][1] % GROUP_SIZE:
+    if len(found) != 1 or found[0][1].type_name not in FORMATS or found[0][0][1] % FORMATS[found[0][1].type_name][1]:
         return None
     shape, tensor = found[0]
     q, scale, zero = (torch.from_numpy(np.ascontiguousarray(a))
                       for a in split_blocks(tensor.data.reshape(shape[0], -1), tensor.type_name))
-    bits = BITS[tensor.type_name]
+    bits, group = FORMATS[tensor.type_name]
     rows = lm_head.weight.shape[0]
     start, end = lm_head.vocab_start_index, min(lm_head.vocab_end_index, shape[0])
     real = max(end - start, 0)
     codes = torch.full((rows, shape[1]), 2 ** (bits - 1), dtype=torch.uint8)  # padding rows: weights of zero
     scales, zeros = torch.zeros(rows, scale.shape[1]), torch.zeros(rows, scale.shape[1])
     codes[:real], scales[:real], zeros[:real] = q[start:end], scale[start:end], zero[start:end]
-    head = QuantizedLinear(QuantizedWeight(codes, scales, zeros, bits, GROUP_SIZE), dtype)
+    head = QuantizedLinear(QuantizedWeight(codes, scales, zeros, bits, group), dtype)
     if not runs_a_kernel(head):
         return None  # the dense head is faster than dequantizing the whole head every step
     prepared = head.kernel_weight()
