@@ -1,4 +1,4 @@
-"""Quantized linear layers: GGUF's Q4_0/Q4_1/Q8_0 blocks kept as they are (``--quantization gguf``)
+"""Quantized linear layers: GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks kept as they are (``--quantization gguf``)
 and round-to-nearest int4/int8 of a safetensors model (``--quantization int4`` / ``int8``).
 
 Each check compares the quantized path with the same quantized weights dequantized and run

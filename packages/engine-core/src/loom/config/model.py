@@ -46,7 +46,7 @@ class ModelConfig:
     max_model_len: int | None = None
     quantization: str = "auto"
     """How linear weights are held (``layers/quantized.py``): ``gguf`` keeps a GGUF file's blocks
-    (Q4_0, Q4_1, Q8_0) as they are; ``int4`` / ``int8`` quantize a safetensors checkpoint's linear
+    (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) as they are; ``int4`` / ``int8`` quantize a safetensors checkpoint's linear
     weights at load (round to nearest, groups of ``quantization_group_size``); ``none`` keeps or
     dequantizes every weight to ``dtype``; ``auto`` is ``gguf`` for a GGUF file on the CPU in
     bfloat16, else ``none``."""

@@ -58,7 +58,7 @@ class EngineArgs:
     max_model_len: int | None = flag(None, type=int)
     quantization: str = flag(
         "auto", choices=list(QUANTIZATIONS),
-        help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0 blocks (CPU); int4/int8: quantize a safetensors model's "
+        help="gguf: keep a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks (CPU); int4/int8: quantize a safetensors model's "
              "linear weights at load (round to nearest); none: dequantize; auto: gguf for GGUF on a bf16 CPU")
     quantization_group_size: int = flag(128, type=int, choices=list(QUANT_GROUP_SIZES),
                                         help="weights per scale for --quantization int4/int8")

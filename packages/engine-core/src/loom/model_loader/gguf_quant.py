@@ -1,5 +1,5 @@
-"""GGUF's block formats Q4_0, Q4_1 and Q8_0, read into group-wise codes (the same values, none
-re-quantized).
+"""GGUF's block formats Q4_0, Q4_1 and Q8_0, and the K-quants Q4_K and Q6_K, read into group-wise
+codes (the same values, none re-quantized).
 
 llama.cpp stores a Q4_0 or Q4_1 matrix row by row in blocks of 32 weights along the input
 dimension: an fp16 scale ``d`` (and, for Q4_1, an fp16 minimum ``m``), then 16 bytes whose

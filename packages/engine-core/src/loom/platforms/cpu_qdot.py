@@ -6,7 +6,7 @@ Those kernels quantize each row of x to int8 per group of 32 (``xq = round(x / d
 AVX512-VNNI's 8-bit dot products and apply the weight's scales and the group's exact sums of x in
 fp32. The codes are laid out so that one instruction sums four codes of sixteen groups at once
 (the C file's header has the byte order); these helpers pack and unpack that order. Groups are
-32 weights: GGUF's Q4_0, Q4_1 and Q8_0 blocks.
+32 weights: GGUF's Q4_0, Q4_1, Q4_K and Q8_0 blocks.
 """
 
 from __future__ import annotations
