@@ -9,6 +9,7 @@ import pytest
 import torch
 from loom import envs
 from loom.platforms import cpu_kernels, cpu_qdot
+from loom.platforms.cpu_features import cpu_flags
 
 
 @pytest.fixture(autouse=True)
@@ -157,3 +158,16 @@ def test_without_vnni_the_exact_kernels_run(k, monkeypatch):
     monkeypatch.setattr(k, "int8_compiled", False)
     assert k.pack_q4(_codes(16, 64, 4, 0), torch.ones(16, 2), torch.zeros(16, 2), torch.float32).layout == 0
     assert k.pack_q8(_codes(16, 64, 8, 0), torch.ones(16, 2), torch.zeros(16, 2), 32) is None
+
+
+def test_kernels_built_with_int8_turned_off_keep_everything(monkeypatch):
+    """The build's self-check packs its own int8 problem whatever ``LOOM_CPU_INT8_ACTIVATIONS``
+    says: kernels first built while it is 0 (a test, an operator) still build, int8 included."""
+    monkeypatch.setenv("LOOM_CPU_INT8_ACTIVATIONS", "0")
+    cpu_kernels.kernels.cache_clear()
+    try:
+        built = cpu_kernels.kernels()
+        assert built is not None and not built.int8_activations
+        assert built.int8_compiled == ("avx512_vnni" in cpu_flags())  # its int8 self-check passed
+    finally:
+        cpu_kernels.kernels.cache_clear()

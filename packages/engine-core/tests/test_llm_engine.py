@@ -466,7 +466,7 @@ def test_the_engine_loop_reports_a_step_after_starting_the_next():
     """``EngineCore.run`` (serve, the in-process engine): step N's tokens are reported after step N + 1
     went to the workers, so they compute while the front end is told; the answers are those of
     the unpipelined ``step``, and an abort is applied between two steps (the aborted request is
-    in no step after it, and its in-flight token is not reported)."""
+    in no step after it)."""
     log: list = []
     engine = make_engine()
     engine.executor = PipelinedExecutor(engine.executor.num_blocks, log)
@@ -488,3 +488,60 @@ def test_the_engine_loop_reports_a_step_after_starting_the_next():
     assert text["0"] == list(want.outputs[0].token_ids)
     assert 0 < len(text.get("1", [])) < 6  # aborted after a token or two, nothing after
     assert ("dispatch", 2) in log and log[-2:] == [("collect", 1), ("report", 1)]
+
+
+def test_the_engine_loop_leaves_the_workers_answers_to_the_executor():
+    """In the engine-core process the workers' answers and the front end's frames share one
+    channel. Workers that answer before the loop looks at its inbox (a fast step, a busy host)
+    must not have their answer read, and dropped, as a front-end frame: the loop finishes the
+    running step before it reads the inbox, and every step completes without a timeout."""
+    import time
+    from collections import deque
+
+    from loom.engine.core_proc import ChannelInbox
+    from loom.engine.multiproc_executor import MultiprocExecutor
+    from loom.ipc.channel import Message
+    from loom.ipc.messages import Kind
+
+    engine = make_engine()
+    fake = engine.executor
+    add = AddRequest(request_id="0", prompt=None, prompt_token_ids=random_prompts(1)[0],
+                     sampling_params=SamplingParams(max_tokens=5))
+
+    class FastWorkers:
+        """Answers a step the moment it is sent."""
+
+        def __init__(self) -> None:
+            self.frames = deque([Message("frontend", Kind.ADD_REQUEST, add)])
+
+        def send(self, dst, msg) -> None:
+            if dst == "workers":
+                self.frames.append(Message("worker:0", Kind.MODEL_OUTPUT, fake.execute_model(msg)))
+
+        def recv(self, timeout=None):
+            if self.frames:
+                return self.frames.popleft()
+            if timeout:
+                time.sleep(timeout)
+            return None
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)  # past the start-up handshake
+    executor.channel, executor.pending, executor.step_timeout = FastWorkers(), deque(), 2.0
+    executor.num_blocks = fake.num_blocks
+    engine.executor = executor
+
+    class Inbox(ChannelInbox):
+        def get(self, block):
+            if not engine.has_unfinished_requests() and not self.channel.frames and self.seen:
+                return None
+            self.seen = True
+            return super().get(block)
+
+    inbox = Inbox(executor.channel, executor)
+    inbox.seen = False
+    reports = []
+    EngineCore(engine).run(inbox, reports.append)
+    tokens = [t for r in reports for o in r.outputs for t in o.outputs[0].token_ids]
+    assert len(tokens) == 5 and reports[-1].outputs[-1].finished
+    want = generate(make_engine(), [add.prompt_token_ids], SamplingParams(max_tokens=5))[0]
+    assert tokens == list(want.outputs[0].token_ids)

@@ -97,20 +97,34 @@ class EngineCore:
         Pipelined by one step: a step's outputs are reported after the next step has started on
         the workers (``LLMEngine.start_step``), so the workers do not wait for the report (and the
         front end's wake-up) between two tokens. Commands are applied between steps, as in
-        :meth:`step`: after the running step finished, before the next one is scheduled."""
+        :meth:`step`: after the running step finished, before the next one is scheduled. The
+        inbox is read only while no step is out: in the engine-core process the workers' answers
+        come on the same channel as the front end's frames, and only ``Executor.collect`` may take
+        them (it sets the front end's frames aside for the inbox)."""
         engine, started = self.engine, None
         while True:
-            commands = inbox.get(block=started is None and not engine.has_unfinished_requests())
-            if commands is None:
-                return
             outputs: list = []
             errors: list[RequestError] = []
             if started is not None:
                 outputs = self._finish(started, errors)
                 started = None
+                commands = inbox.get(block=False)
+            else:
+                commands = inbox.get(block=not engine.has_unfinished_requests())
+            if commands is None:
+                out = self._report(outputs, errors, ())
+                if out is not None:
+                    report(out)
+                return
             errors.extend(self.apply(commands))
-            if engine.has_unfinished_requests():
-                started = engine.start_step()
+            try:
+                if engine.has_unfinished_requests():
+                    started = engine.start_step()
+            except BaseException:  # the finished step's outputs still reach their requests
+                out = self._report(outputs, errors, commands)
+                if out is not None:
+                    report(out)
+                raise
             out = self._report(outputs, errors, commands)
             if out is not None:
                 report(out)

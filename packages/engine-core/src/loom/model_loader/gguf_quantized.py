@@ -132,7 +132,7 @@ def _quantized_head(model: nn.Module, entries: list, dtype: torch.dtype) -> Quan
     prepared = head.kernel_weight()
     if isinstance(prepared, CpuQuantizedWeight) and not prepared.reads_codes:
         return None  # it would multiply through a dense copy of its own: a second dense head
-    head.release_weight()  # where the kernel holds its own layout, the neutral codes can go
+    head.release_weight()  # the op's reference; a packed 8-bit head's neutral codes go with it
     logger.info("The LM head runs on its %d-bit codes for steps of a few rows", bits)
     return head
 

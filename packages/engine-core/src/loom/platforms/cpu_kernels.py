@@ -429,8 +429,12 @@ def _self_check(k: CpuKernels) -> None:
         if not torch.allclose(got.float(), want, rtol=q8_tol, atol=q8_tol * want.abs().max().item()):
             raise native.NativeKernelError(f"the compiled q4_linear disagrees with torch in {dtype} "
                                            f"(max error {(got.float() - want).abs().max():.3g})")
-        if k.int8_activations:
-            _self_check_int8_activations(k, dtype, q8_tol, g)
+        if k.int8_compiled:
+            try:
+                _self_check_int8_activations(k, dtype, q8_tol, g)
+            except native.NativeKernelError as e:  # the int8 kernels only: the exact ones stay
+                logger.warning("CPU int8-activation matmuls unavailable, x stays exact: %s", e)
+                k.int8_compiled = False
 
 
 def _self_check_int8_activations(k: CpuKernels, dtype: torch.dtype, tol: float, g: torch.Generator) -> None:
@@ -439,11 +443,12 @@ def _self_check_int8_activations(k: CpuKernels, dtype: torch.dtype, tol: float, 
     n, kk = 21, 608
     x = torch.randn(3, kk, generator=g).to(dtype)
     sc, zp = torch.rand(n, kk // 32, generator=g) * 0.02, torch.randn(n, kk // 32, generator=g) * 0.01
-    q4 = k.pack_q4(torch.randint(0, 16, (n, kk), generator=g, dtype=torch.uint8), sc, zp, dtype)
+    # the layouts packed outright: the check must not depend on LOOM_CPU_INT8_ACTIVATIONS at build time
+    q4 = pack_q4(torch.randint(0, 16, (n, kk), generator=g, dtype=torch.uint8), sc, zp, dtype, layout=1)
     codes, scale, zero = unpack_q4(q4)
     checks = [("q4_linear", k.q4_linear(x, q4), cpu_qdot.emulate(x, codes, scale, zero - 8 * scale))]
     q8w = torch.randint(0, 256, (n, kk), generator=g, dtype=torch.uint8)
-    q8 = k.pack_q8(q8w, sc, zp, 32)
+    q8 = cpu_qdot.pack_q8(q8w, sc, zp)
     checks.append(("q8a_linear", k.q8a_linear(x, q8), cpu_qdot.emulate(x, q8w, sc, zp - 128 * sc)))
     for name, got, want in checks:
         want = want.float()

@@ -26,6 +26,8 @@
  * x is quantized into the same order once per call: per row and superblock eight vectors of
  * 64 bytes (lanes past S zero), and dx and X as sixteen floats each. */
 
+#include <float.h>
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 /* 1 when these kernels are compiled in (the CPU has AVX512-VNNI), else 0 (see the stubs below) */
@@ -54,7 +56,8 @@ static void qa_quantize_##NAME(const T *x, int64_t xs, int64_t rows, int64_t K, 
         for (int64_t g = 0; g < ng; g++) {                                                         \
             const __m512 v0 = LOAD(x + r * xs + g * 32), v1 = LOAD(x + r * xs + g * 32 + 16);     \
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))); \
-            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;                       \
+            /* a subnormal step (max|x| below ~1.5e-36) would make 1 / d infinite: such a group is 0 */ \
+            const float d = amax / 127.0f, id = d >= FLT_MIN ? 1.0f / d : 0.0f;                    \
             /* round half to even (the default MXCSR mode), then saturate to int8 (never needed) */ \
             const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)))); \
             const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)))); \

@@ -134,6 +134,7 @@ def emulate(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero_term
     n = codes.shape[0]
     xf = x.float().view(rows, k // GROUP, GROUP)
     dx = xf.abs().amax(-1) / 127
-    xq = torch.round(xf * torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))[..., None])
+    usable = dx >= torch.finfo(torch.float32).tiny  # a subnormal step: the kernels take the group as 0
+    xq = torch.round(xf * torch.where(usable, 1.0 / dx, torch.zeros_like(dx))[..., None])
     dots = torch.einsum("rgi,ngi->rng", xq.double(), codes.double().view(n, k // GROUP, GROUP))
     return (dots * (dx[:, None, :].double() * scale[None].double())).sum(-1) + xf.sum(-1).double() @ zero_term.double().t()
