@@ -111,20 +111,13 @@ class EngineCore:
                 commands = inbox.get(block=False)
             else:
                 commands = inbox.get(block=not engine.has_unfinished_requests())
-            if commands is None:
-                out = self._report(outputs, errors, ())
-                if out is not None:
-                    report(out)
-                return
-            errors.extend(self.apply(commands))
             try:
+                if commands is None:
+                    return
+                errors.extend(self.apply(commands))
                 if engine.has_unfinished_requests():
                     started = engine.start_step()
-            except BaseException:  # the finished step's outputs still reach their requests
-                out = self._report(outputs, errors, commands)
+            finally:  # the finished step's outputs reach their requests, whatever happens to the next
+                out = self._report(outputs, errors, commands or ())
                 if out is not None:
                     report(out)
-                raise
-            out = self._report(outputs, errors, commands)
-            if out is not None:
-                report(out)

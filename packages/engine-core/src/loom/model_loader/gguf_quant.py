@@ -39,7 +39,7 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["BITS", "FORMATS", "GROUP_SIZE", "INT4_TYPES", "dequantize_int4", "dequantize_q8_0", "split_blocks",
+__all__ = ["FORMATS", "GROUP_SIZE", "INT4_TYPES", "dequantize_int4", "dequantize_q8_0", "split_blocks",
            "split_int4_blocks"]
 
 GROUP_SIZE = 32
@@ -47,9 +47,7 @@ INT4_TYPES = ("Q4_0", "Q4_1")
 FORMATS = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q6_K": (8, 16)}
 """GGUF types that load as quantized groups (``--quantization gguf``): (code width, group size);
 others are dequantized."""
-BITS = {name: bits for name, (bits, _) in FORMATS.items()}
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
-_SUPER = 256  # weights a K-quant super-block
 
 
 def _blocks(raw: np.ndarray, block: int) -> torch.Tensor:

@@ -37,7 +37,6 @@ int qa_available(void) { return 1; }
 #define QA_XQ_BYTES (8 * 64)      /* a row's quantized x per superblock */
 #define QA_PREFETCH 4096          /* bytes ahead of the codes being read */
 #define QA_PREFETCH_SZ 1024       /* and of the scales */
-#define QA_PF(p) __builtin_prefetch(p)
 
 /* A superblock of S groups (1..16): P lanes a group's sub-vector (S rounded up to a power of
  * two), F = min(8, 16 / P) sub-vectors a 64-byte register, NR = 8 / F registers. */
@@ -136,7 +135,7 @@ static void NAME(const qa_args *a, int64_t o, float *res) {                     
             for (int r = 0; r < R; r++) xa[r] = _mm512_loadu_si512(xs + r * a->nsb * QA_XQ_BYTES); \
             for (int oo = 0; oo < OB; oo++) {                                                      \
                 __m512i c;                                                                         \
-                QA_PF(qs + oo * a->kb + QA_PREFETCH);                                 \
+                __builtin_prefetch(qs + oo * a->kb + QA_PREFETCH);                                 \
                 if (BITS == 4) {                                                                   \
                     const __m256i y = _mm256_loadu_si256((const __m256i *)(qs + oo * a->kb));       \
                     c = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(y), _mm256_srli_epi16(y, 4), 1), m15); \
@@ -156,14 +155,14 @@ static void NAME(const qa_args *a, int64_t o, float *res) {                     
                 __m512i ca, cb;                                                                    \
                 if (BITS == 4) {                                                                   \
                     const uint8_t *pp = qs + oo * a->kb + p * 64;                                  \
-                    QA_PF(pp + QA_PREFETCH);                                          \
+                    __builtin_prefetch(pp + QA_PREFETCH);                                          \
                     const __m512i b = _mm512_loadu_si512(pp);                                      \
                     ca = _mm512_and_si512(b, m15);                                                 \
                     cb = _mm512_and_si512(_mm512_srli_epi16(b, 4), m15);                           \
                 } else {                                                                           \
                     const uint8_t *pp = qs + oo * a->kb + 2 * p * 64;                              \
-                    QA_PF(pp + QA_PREFETCH);                                          \
-                    QA_PF(pp + 64 + QA_PREFETCH);                                     \
+                    __builtin_prefetch(pp + QA_PREFETCH);                                          \
+                    __builtin_prefetch(pp + 64 + QA_PREFETCH);                                     \
                     ca = _mm512_loadu_si512(pp);                                                   \
                     cb = _mm512_loadu_si512(pp + 64);                                              \
                 }                                                                                  \
