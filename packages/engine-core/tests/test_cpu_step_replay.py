@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn as nn
 from loom import platforms
 from loom.model_loader import get_model
 from loom.platforms import cpu_kernels
-from loom.worker.cpu_step_replay import StepGraph
+from loom.worker import cpu_step_replay
+from loom.worker.cpu_step_replay import StepGraph, StepReplayError
 from loom_plugin_api import AttentionMetadata, custom_op
 from loom_plugin_api.context import set_forward_context
 from model_utils import ModelRunnerHarness, make_config
@@ -72,6 +75,46 @@ def test_replayed_steps_equal_eager_steps(llama):
         hidden = graph.replay(ids, pos, md)
         assert torch.equal(hidden, want)
     assert h.seq_lens[0] > 4 * BLOCK  # the context crossed several blocks
+    # every compiled-kernel call (paged decode: 17 integer arguments and a float) went through tape_run
+    tapes = [fn for fn, _ in graph._runs if isinstance(fn, cpu_step_replay._Tape)]
+    assert sum(t._n for t in tapes) == sum(isinstance(fn, ctypes._CFuncPtr) for fn, _ in graph._ops) > 0
+    assert not any(isinstance(fn, ctypes._CFuncPtr) for fn, _ in graph._runs)
+
+
+@torch.inference_mode()
+def test_a_kernel_that_fails_in_the_tape_is_named(llama):
+    """A kernel's error code inside tape_run (rotary: a position past its cache) stops the replay
+    with a StepReplayError naming that kernel; the step is not taken as done."""
+    if not CPU:
+        pytest.skip("the dummy platform's model calls no compiled kernel: nothing is taped")
+    h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=1)
+    h.step({0: [7, 250, 3]})
+    ids, pos, md = h.build_metadata({0: [5]})
+    graph, _, why = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS)
+    assert graph is not None, why
+    with pytest.raises(StepReplayError, match="rotary"):
+        graph.replay(ids, torch.full_like(pos, 10_000), _in_use(md))
+
+
+def test_only_calls_tape_run_can_make_are_taped():
+    """``tape_run`` passes 20 integer-class arguments and one float: a call with more, with a
+    double, or not into a compiled kernel stays a Python call."""
+    k = cpu_kernels.kernels()
+    if k is None:
+        pytest.skip("no compiled CPU kernels here")
+    fn = k.tape_run  # any compiled function: only its argtypes matter to the encoding
+    ok = cpu_step_replay._tape_op(fn, (1, 2, 3))
+    assert ok is not None and list(ok.a[:3]) == [1, 2, 3] and ok.fn == ctypes.cast(fn, ctypes.c_void_p).value
+    wide = type(fn)(ctypes.cast(fn, ctypes.c_void_p).value)
+    wide.argtypes = [ctypes.c_int64] * 21
+    assert cpu_step_replay._tape_op(wide, tuple(range(21))) is None
+    wide.argtypes = [ctypes.c_int64] * 20 + [ctypes.c_float]
+    assert cpu_step_replay._tape_op(wide, (*range(20), 0.5)).f == 0.5
+    wide.argtypes = [ctypes.c_float, ctypes.c_float]
+    assert cpu_step_replay._tape_op(wide, (0.5, 0.5)) is None
+    wide.argtypes = [ctypes.c_double]
+    assert cpu_step_replay._tape_op(wide, (0.5,)) is None
+    assert cpu_step_replay._tape_op(lambda *a: 0, (1,)) is None
 
 
 @torch.inference_mode()
@@ -124,6 +167,7 @@ def test_kernels_and_torch_ops_replay_in_order():
     for tok, p in ((17, 5), (49, 9)):
         ids, pos = torch.tensor([tok]), torch.tensor([p])
         assert torch.equal(graph.replay(ids, pos, md), model(ids, pos))
+    assert any(isinstance(fn, cpu_step_replay._Tape) for fn, _ in graph._runs)  # RMSNorm's eps: the float
 
 
 class _ReadsAValue(nn.Module):

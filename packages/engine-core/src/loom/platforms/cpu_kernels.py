@@ -170,6 +170,9 @@ class CpuKernels:
         self._q4 = {dtype: self._fns["q4_linear", dtype] for dtype in _SUFFIX}  # one lookup per call
         self._qa = {dtype: self._fns["qa_linear", dtype] for dtype in _SUFFIX}
         self.int8_compiled = bool(lib.qa_available())  # cpu_qdot.c's kernels: the CPU has AVX512-VNNI
+        self.tape_run = lib.tape_run  # cpu_tape.c: a recorded step's calls in one (cpu_step_replay)
+        self.tape_run.argtypes, self.tape_run.restype = [_PTR, _I64, _PTR], ctypes.c_int
+        self.tape_op_size = int(lib.tape_op_size())
 
     @property
     def int8_activations(self) -> bool:
@@ -465,7 +468,7 @@ def kernels() -> CpuKernels | None:
         return None
     try:
         files = resources.files(__package__)  # cpu_qdot.c uses cpu_kernels.c's helpers: one unit
-        source = files.joinpath("cpu_kernels.c").read_bytes() + files.joinpath("cpu_qdot.c").read_bytes()
+        source = b"".join(files.joinpath(f).read_bytes() for f in ("cpu_kernels.c", "cpu_qdot.c", "cpu_tape.c"))
         k = CpuKernels(ctypes.CDLL(native._build(native._compiler(), source, "cpu_kernels", "the CPU fused ops")))
         _self_check(k)
         return k

@@ -10,7 +10,8 @@ and records in order every compiled-kernel call (``attention.backends.native.cal
 function and its plain-int arguments) and every torch op that computes (a
 ``TorchDispatchMode``). Views and allocations are not recorded: their results are the step's
 buffers, which the graph keeps alive. A replay writes the new inputs into the static tensors
-and repeats the list. Capture is refused (``StepGraph.capture`` returns None and says why)
+and repeats the list, each run of compiled-kernel calls made in one call into C
+(``tape_run``, ``platforms/cpu_tape.c``: about 1.5 us of Python a call otherwise). Capture is refused (``StepGraph.capture`` returns None and says why)
 where the step reads a tensor into Python (``.item()``), builds a tensor from Python data
 (``torch.tensor``, ``torch.from_numpy``: ``lift_fresh``) or draws random numbers: a replay would
 repeat the captured value. A Python value passed straight to a kernel (an int argument computed
@@ -34,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..attention.backends import native
 from ..logger import init_logger
+from ..platforms import cpu_kernels
 
 logger = init_logger(__name__)
 
@@ -107,12 +109,93 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+_TAPE_INTS = 20  # cpu_tape.c's TAPE_INTS
+_INT_CLASS = {ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int, ctypes.c_size_t, ctypes.c_ssize_t}
+
+
+class _TapeOp(ctypes.Structure):
+    """``tape_op`` of ``cpu_tape.c``: a kernel, its integer-class arguments in order, its float."""
+
+    _fields_ = [("fn", ctypes.c_void_p), ("a", ctypes.c_int64 * _TAPE_INTS), ("f", ctypes.c_float),
+                ("unused", ctypes.c_int32)]
+
+
+def _tape_op(fn: object, args: tuple) -> _TapeOp | None:
+    """The call as a ``tape_op``; None where ``cpu_tape.c`` cannot make it (not a compiled kernel,
+    more integer arguments than it passes, more than one float, an argument of another type)."""
+    types = getattr(fn, "argtypes", None)
+    if not isinstance(fn, ctypes._CFuncPtr) or types is None or len(types) != len(args):
+        return None
+    ints, floats = [], []
+    for tp, value in zip(types, args):
+        if tp in _INT_CLASS:
+            ints.append(0 if value is None else int(value))
+        elif tp is ctypes.c_float:
+            floats.append(float(value))
+        else:
+            return None
+    if len(ints) > _TAPE_INTS or len(floats) > 1:
+        return None
+    op = _TapeOp(fn=ctypes.cast(fn, ctypes.c_void_p).value, f=floats[0] if floats else 0.0)
+    op.a[:len(ints)] = ints
+    return op
+
+
+class _Tape:
+    """Consecutive compiled-kernel calls of a captured step, made in one ctypes call (``tape_run``)."""
+
+    def __init__(self, run: Callable[..., int], calls: list[tuple[Any, tuple]], ops: list[_TapeOp]) -> None:
+        self._run = run
+        self._calls = calls
+        self._ops = (_TapeOp * len(ops))(*ops)
+        self._n = len(ops)
+        self._failed = ctypes.c_int64(-1)
+        self._failed_ref = ctypes.byref(self._failed)
+
+    def __call__(self) -> int:
+        if self._run(self._ops, self._n, self._failed_ref):
+            fn = self._calls[self._failed.value][0]
+            raise StepReplayError(f"{getattr(fn, '__name__', fn)} failed in a replayed decode step")
+        return 0
+
+
+def _taped(ops: list[tuple[Callable[..., int], tuple]]) -> list[tuple[Callable[..., int], tuple]]:
+    """``ops`` with each run of compiled-kernel calls made one ``tape_run`` call, where the CPU
+    kernels (``cpu_tape.c``) are built; the torch ops between them stay as they are."""
+    k = cpu_kernels.kernels()
+    run = getattr(k, "tape_run", None)
+    if run is None or k.tape_op_size != ctypes.sizeof(_TapeOp):
+        return ops
+    out: list[tuple[Callable[..., int], tuple]] = []
+    calls: list[tuple[Any, tuple]] = []
+    encoded: list[_TapeOp] = []
+
+    def flush() -> None:
+        if calls:
+            out.append((_Tape(run, list(calls), list(encoded)), ()))
+            calls.clear()
+            encoded.clear()
+
+    for fn, args in ops:
+        op = _tape_op(fn, args)
+        if op is None:
+            flush()
+            out.append((fn, args))
+        else:
+            calls.append((fn, args))
+            encoded.append(op)
+    flush()
+    return out
+
+
 class StepGraph:
     """A captured decode step of ``batch`` requests of one token each (see the module)."""
 
     def __init__(self, ops: list[tuple[Callable[..., int], tuple]], keep: list[Any], inputs: dict[str, torch.Tensor],
                  output: torch.Tensor, max_blocks: int) -> None:
         self._ops = ops
+        self._runs = _taped(ops)
+        """What a replay calls: ``ops``, each run of compiled-kernel calls in one ``tape_run``."""
         self._keep = keep
         self._inputs = inputs
         self.output = output
@@ -187,7 +270,7 @@ class StepGraph:
         s["seq_lens"].copy_(md.seq_lens)
         s["slot_mapping"].copy_(md.slot_mapping)
         s["block_tables"][:, : md.block_tables.shape[1]].copy_(md.block_tables)
-        for fn, args in self._ops:
+        for fn, args in self._runs:
             if fn(*args):
                 raise StepReplayError(f"{getattr(fn, '__name__', fn)} failed in a replayed decode step")
         return self.output
