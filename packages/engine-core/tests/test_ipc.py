@@ -152,7 +152,7 @@ def test_every_nested_struct_round_trips(tp: type, data: st.DataObject) -> None:
 def test_wire_layout_is_an_array_in_declaration_order() -> None:
     # Both sides must agree with peers built from other revisions: pin the layout itself.
     info = messages.WorkerInfo(rank=1, available_bytes=2**40, block_bytes=4096, block_size=16)
-    assert codec.encode(info) == msgpack.packb([1, 2**40, 4096, 16, False])
+    assert codec.encode(info) == msgpack.packb([1, 2**40, 4096, 16])
     out = messages.EngineOutputs(errors=[messages.RequestError(request_id="r", message="bad")])
     assert msgpack.unpackb(codec.encode(out)) == [[], [["r", "bad", 400]], None]
 

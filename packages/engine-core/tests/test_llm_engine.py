@@ -14,7 +14,7 @@ from loom.engine.llm_engine import EngineStepError, LLMEngine
 from loom.ipc.messages import AbortRequests, AddRequest
 from loom.outputs import RequestOutput
 from loom_plugin_api import SamplingParams
-from loom_plugin_api.step import PENDING_TOKEN, ModelRunnerOutput, SampledLogprobs, SchedulerOutput
+from loom_plugin_api.step import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 
 BS = 4
 V = 500  # ids below 500 are plain ASCII pieces in GPT-2's vocabulary
@@ -27,8 +27,7 @@ class FakeExecutor(Executor):
     It keeps a fake KV cache (the token id written at each slot) and derives the next
     token from the context it reads back through the block table, so a wrong block, a
     wrong prefix-cache hit or a wrong position changes the output. Seeded requests add
-    their seed, so n > 1 children differ. Like ``ModelRunner``, it fills ``PENDING_TOKEN`` in
-    with the request's last sampled token.
+    their seed, so n > 1 children differ.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -37,7 +36,6 @@ class FakeExecutor(Executor):
         self.seeds: dict[str, int] = {}
         self.logprobs: dict[str, int | None] = {}
         self.positions: dict[str, int] = {}
-        self.last: dict[str, int] = {}
         self.steps = 0
         self.shut_down = False
 
@@ -55,9 +53,6 @@ class FakeExecutor(Executor):
             if r.req_id in new:
                 self.positions[r.req_id] = r.num_computed_tokens
             assert r.num_computed_tokens == self.positions[r.req_id], "position skipped or repeated"
-            if r.token_ids[-1] == PENDING_TOKEN:
-                assert PENDING_TOKEN not in r.token_ids[:-1], "more than one pending token"
-                r.token_ids[-1] = self.last[r.req_id]
             for j, t in enumerate(r.token_ids):
                 pos = r.num_computed_tokens + j
                 self.kv[r.block_ids[pos // BS]][pos % BS] = t
@@ -70,7 +65,6 @@ class FakeExecutor(Executor):
             token = (sum((i + 1) * t for i, t in enumerate(context)) * 7 + 1 + self.seeds[r.req_id]) % V
             req_ids.append(r.req_id)
             tokens.append(token)
-            self.last[r.req_id] = token
             k = self.logprobs[r.req_id]
             lps.append(None if k is None else SampledLogprobs(
                 token_id=token, logprob=-0.5, rank=2, top_token_ids=[1, token][:k], top_logprobs=[-0.1, -0.5][:k],
@@ -431,7 +425,7 @@ def test_the_multiproc_executor_gives_up_on_a_step_after_its_timeout():
             return None
 
     executor = MultiprocExecutor.__new__(MultiprocExecutor)  # past the start-up handshake
-    executor.channel, executor.pending, executor.answers, executor.step_timeout = SilentWorkers(), deque(), deque(), 0.3
+    executor.channel, executor.pending, executor.step_timeout = SilentWorkers(), deque(), 0.3
     started = time.monotonic()
     with pytest.raises(StepTimeoutError, match=r"run 0.3 s without the workers' output \(--step-timeout\)"):
         executor.execute_model(SchedulerOutput())
@@ -496,13 +490,11 @@ def test_the_engine_loop_reports_a_step_after_starting_the_next():
     assert ("dispatch", 2) in log and log[-2:] == [("collect", 1), ("report", 1)]
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["one-step", "scheduled-ahead"])
-def test_the_engine_loop_leaves_the_workers_answers_to_the_executor(ahead):
+def test_the_engine_loop_leaves_the_workers_answers_to_the_executor():
     """In the engine-core process the workers' answers and the front end's frames share one
     channel. Workers that answer before the loop looks at its inbox (a fast step, a busy host)
-    must not have their answer read, and dropped, as a front-end frame: an answer the inbox
-    reads goes back to the executor, and every step completes without a timeout. Scheduled a
-    step ahead (the next token sent as PENDING_TOKEN), the tokens are the same."""
+    must not have their answer read, and dropped, as a front-end frame: the loop finishes the
+    running step before it reads the inbox, and every step completes without a timeout."""
     import time
     from collections import deque
 
@@ -534,8 +526,8 @@ def test_the_engine_loop_leaves_the_workers_answers_to_the_executor(ahead):
             return None
 
     executor = MultiprocExecutor.__new__(MultiprocExecutor)  # past the start-up handshake
-    executor.channel, executor.pending, executor.answers, executor.step_timeout = FastWorkers(), deque(), deque(), 2.0
-    executor.num_blocks, executor.schedules_ahead = fake.num_blocks, ahead
+    executor.channel, executor.pending, executor.step_timeout = FastWorkers(), deque(), 2.0
+    executor.num_blocks = fake.num_blocks
     engine.executor = executor
 
     class Inbox(ChannelInbox):
@@ -553,128 +545,3 @@ def test_the_engine_loop_leaves_the_workers_answers_to_the_executor(ahead):
     assert len(tokens) == 5 and reports[-1].outputs[-1].finished
     want = generate(make_engine(), [add.prompt_token_ids], SamplingParams(max_tokens=5))[0]
     assert tokens == list(want.outputs[0].token_ids)
-
-
-class AheadExecutor(FakeExecutor):
-    """Runs each step at ``collect``, in order, after the loop scheduled the next one: a worker
-    that gets step N + 1 before the engine has seen step N's tokens."""
-
-    schedules_ahead = True
-
-    def __init__(self, num_blocks: int) -> None:
-        super().__init__(num_blocks)
-        self.pending_seen = 0
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self.computed: dict[str, int] = {}
-
-    def dispatch(self, out: SchedulerOutput) -> None:
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        self.pending_seen += sum(r.token_ids[-1] == PENDING_TOKEN for r in out.scheduled)
-        for r in out.scheduled:  # a real worker computes what it was sent, collected or not
-            self.computed[r.req_id] = self.computed.get(r.req_id, 0) + len(r.token_ids)
-
-    def collect(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self.in_flight -= 1
-        return self.execute_model(out)
-
-
-def run_loop(engine: LLMEngine, script: dict[int, list]) -> tuple[dict[str, list[int]], dict[str, str], list]:
-    """``EngineCore.run`` over ``script``: each request's streamed tokens, finish reasons, errors."""
-    tokens: dict[str, list[int]] = {}
-    reasons: dict[str, str] = {}
-    errors: list = []
-
-    def report(out) -> None:
-        errors.extend(out.errors)
-        for o in out.outputs:
-            for c in o.outputs:
-                key = o.request_id if c.index == 0 else f"{o.request_id}/{c.index}"
-                tokens.setdefault(key, []).extend(c.token_ids)
-                if c.finish_reason is not None:
-                    reasons[key] = c.finish_reason
-
-    EngineCore(engine).run(ScriptedInbox(engine, script), report)
-    return tokens, reasons, errors
-
-
-def mixed_requests(seed: int, tok=None) -> list[AddRequest]:
-    """Requests that end every way: length, EOS, a stop token, min_tokens, n = 2, logprobs, shared prefixes."""
-    rng = random.Random(seed)
-    adds = []
-    prompts = random_prompts(24, seed=seed, lo=1, hi=20, shared=rng.choice([0, 5, 9]))
-    free = generate(make_engine(), prompts, SamplingParams(max_tokens=14, ignore_eos=True))
-    for i, prompt in enumerate(prompts):
-        kind = i % 6
-        params = SamplingParams(
-            max_tokens=rng.randint(3 if kind == 3 else 1, 14), ignore_eos=kind != 1,
-            # a token the request generates: it ends there (or at min_tokens' end, kind 3)
-            stop_token_ids=[free[i].outputs[0].token_ids[rng.randrange(4)]] if kind in (2, 3) else [],
-            min_tokens=3 if kind == 3 else 0, n=2 if kind == 4 else 1, seed=i if kind == 4 else None,
-            logprobs=1 if kind == 5 else None,
-        )
-        adds.append(AddRequest(request_id=str(i), prompt=None, prompt_token_ids=prompt, sampling_params=params,
-                               stream=True))
-    return adds
-
-
-@pytest.mark.parametrize("num_blocks,budget", [(256, 64), (24, 16), (14, 8)],
-                         ids=["roomy", "preempting", "tight-chunked"])
-def test_scheduling_a_step_ahead_gives_the_same_tokens(num_blocks, budget):
-    """With the next step scheduled while one runs (its tokens sent as PENDING_TOKEN), every
-    request gets exactly the tokens and finish reason of the one-step-at-a-time engine: requests
-    ending by length, EOS, stop token, with min_tokens, n = 2, logprobs, prefix-cache hits,
-    chunked prefills and, with few blocks, preemptions of requests whose step is running."""
-    adds = mixed_requests(seed=num_blocks)
-    sync = make_engine(num_blocks=num_blocks, budget=budget)
-    want_tokens, want_reasons, _ = run_loop(sync, {1: adds[:12], 4: adds[12:]})
-    engine = make_engine(num_blocks=num_blocks, budget=budget)
-    engine.executor = ahead = AheadExecutor(num_blocks)
-    tokens, reasons, errors = run_loop(engine, {1: adds[:12], 4: adds[12:]})
-    assert not errors
-    assert tokens == want_tokens and reasons == want_reasons
-    assert ahead.pending_seen > 0 and ahead.max_in_flight == 2  # it did run ahead
-    assert sum(r != "length" for r in reasons.values()) >= 3  # not only length ends
-    if num_blocks < 256:
-        assert engine.scheduler.num_preemptions > 0
-    assert engine.block_manager.num_free_blocks == num_blocks  # nothing leaked
-    assert not engine.scheduler.requests
-
-
-def test_a_step_ahead_never_computes_past_max_tokens():
-    """A request whose running step samples its last token is not scheduled again."""
-    engine = make_engine()
-    engine.executor = ahead = AheadExecutor(256)
-    adds = [AddRequest(request_id=str(i), prompt=None, prompt_token_ids=p,
-                       sampling_params=SamplingParams(max_tokens=5, ignore_eos=True))
-            for i, p in enumerate(random_prompts(3, seed=5))]
-    tokens, reasons, _ = run_loop(engine, {1: adds})
-    assert all(len(t) == 5 for t in tokens.values()) and set(reasons.values()) == {"length"}
-    # the prompt and the first four tokens: the fifth, the last, is sampled and never computed
-    assert ahead.computed == {a.request_id: len(a.prompt_token_ids) + 4 for a in adds}
-
-
-def test_aborts_and_stop_strings_while_a_step_is_ahead():
-    """An abort between two steps and a stop string found one step late: the request ends with
-    what it had, its extra token is dropped, and the others are unaffected."""
-    tok = gpt2_tokenizer()
-    prompt = tok.encode("The answer is")
-    (free,) = generate(make_engine(tokenizer=tok), [prompt], SamplingParams(max_tokens=20, ignore_eos=True))
-    text = free.outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
-    adds = [AddRequest(request_id="s", prompt="The answer is", prompt_token_ids=prompt, stream=True,
-                       sampling_params=SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop])),
-            AddRequest(request_id="a", prompt=None, prompt_token_ids=random_prompts(1, seed=8)[0], stream=True,
-                       sampling_params=SamplingParams(max_tokens=30, ignore_eos=True)),
-            AddRequest(request_id="b", prompt=None, prompt_token_ids=random_prompts(1, seed=9)[0], stream=True,
-                       sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))]
-    script = {1: adds, 6: [AbortRequests(request_ids=["a"])]}
-    want, want_reasons, _ = run_loop(make_engine(tokenizer=tok), script)
-    engine = make_engine(tokenizer=tok)
-    engine.executor = AheadExecutor(256)
-    tokens, reasons, errors = run_loop(engine, script)
-    assert not errors and reasons == want_reasons == {"s": "stop", "b": "length"}  # an abort is not reported
-    assert tokens["s"] == want["s"] and tokens["b"] == want["b"]
-    assert 0 < len(tokens["a"]) < 30 and tokens["a"] == want["a"][:len(tokens["a"])]
-    assert engine.block_manager.num_free_blocks == 256 and not engine.scheduler.requests

@@ -394,10 +394,9 @@ def step(sched: Scheduler) -> SchedulerOutput:
 
 
 def fail_step(sched: Scheduler) -> SchedulerOutput:
-    """The next step fails as LLMEngine handles it: its requests isolated, then updated with no tokens."""
+    """The next step fails as LLMEngine handles it: never updated, its requests isolated."""
     out = sched.schedule()
     sched.isolate(r.req_id for r in out.scheduled)  # a generator, as the engine passes it
-    sched.update_from_output(out, ModelRunnerOutput(req_ids=[], sampled_token_ids=[]))
     return out
 
 

@@ -24,7 +24,6 @@ _GRAPH_RESERVE_BYTES = 512 * _MiB
 
 
 class CudaWorker(WorkerBase):
-    takes_pending_tokens = True  # its steps run on ModelRunner.execute_model
     model_runner: CudaModelRunner
 
     def init_device(self) -> None:

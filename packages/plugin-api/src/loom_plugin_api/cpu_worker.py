@@ -39,7 +39,6 @@ def _keep_large_allocations_in_the_heap() -> None:
 
 
 class CPUWorker(WorkerBase):
-    takes_pending_tokens = True  # its steps run on ModelRunner.execute_model
     model_runner: ModelRunner
     model_runner_cls: type[ModelRunner] = ModelRunner
     """The runner ``load_model`` builds around the model: a platform's subclass of ``ModelRunner``."""

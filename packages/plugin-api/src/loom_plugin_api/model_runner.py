@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .context import set_forward_context
 from .sampling_params import SamplingParams
-from .step import PENDING_TOKEN, ModelInput, ModelRunnerOutput, SchedulerOutput
+from .step import ModelInput, ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from .config import LoomConfigView
@@ -35,8 +35,6 @@ class _RequestState:
     """Prompt and generated tokens, kept only when a repetition penalty needs them."""
     output_token_ids: list[int] | None = field(default=None)
     """Generated tokens, kept only when a frequency or presence penalty needs them."""
-    last_token_id: int = PENDING_TOKEN
-    """The token sampled last: what ``PENDING_TOKEN`` in the request's next step stands for."""
 
 
 class ModelRunner:
@@ -95,17 +93,6 @@ class ModelRunner:
                 self.prompt_logprobs[new.req_id] = self.services.new_prompt_logprobs_state(
                     list(new.prompt_token_ids), params.prompt_logprobs)
 
-    def _fill_pending_tokens(self, scheduler_output: SchedulerOutput) -> None:
-        """Put each request's last sampled token where the engine, a step ahead, sent ``PENDING_TOKEN``."""
-        for req in scheduler_output.scheduled:
-            ids = req.token_ids
-            if ids and ids[-1] == PENDING_TOKEN:
-                token_id = self.requests[req.req_id].last_token_id
-                if token_id == PENDING_TOKEN:
-                    raise RuntimeError(f"request {req.req_id!r} continues from a token it never sampled (did its "
-                                       "previous step fail?)")
-                ids[-1] = token_id
-
     def run_model(self, inputs: ModelInput) -> torch.Tensor:
         """The forward pass of one step: hidden states ``(T, hidden)``. A platform's runner
         may replace it (e.g. to replay a recorded graph; a step with ``inputs.lora_mapping`` must
@@ -118,7 +105,6 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        self._fill_pending_tokens(scheduler_output)
         inputs = self.services.prepare_inputs(scheduler_output, self.config.cache_config.block_size, self.device)
         hidden_states = self.run_model(inputs)
         prompt_logprobs = self.services.collect_prompt_logprobs(
@@ -144,7 +130,6 @@ class ModelRunner:
         else:
             token_ids, logprobs = self.sampler(self.model.compute_logits(hidden).float(), metadata)
         for state, token_id in zip(states, token_ids):
-            state.last_token_id = token_id
             if state.seen_token_ids is not None:
                 state.seen_token_ids.append(token_id)
             if state.output_token_ids is not None:

@@ -20,14 +20,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "PENDING_TOKEN", "ModelInput", "ModelRunnerOutput", "NewRequestData", "PromptLogprobs", "SampledLogprobs",
-    "ScheduledRequest", "SchedulerOutput",
+    "ModelInput", "ModelRunnerOutput", "NewRequestData", "PromptLogprobs", "SampledLogprobs", "ScheduledRequest",
+    "SchedulerOutput",
 ]
-
-PENDING_TOKEN = -1
-"""In ``ScheduledRequest.token_ids``: the token this request samples in the step before this
-one, which the engine had not seen when it scheduled this step (it schedules a step ahead only
-for workers whose ``takes_pending_tokens`` is True; ``ModelRunner`` fills it in)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -52,8 +47,7 @@ class ScheduledRequest:
 
     req_id: str
     token_ids: list[int]
-    """Tokens whose KV is computed this step (a prompt chunk, or the last sampled token). The
-    last may be ``PENDING_TOKEN``: the token the request samples in the previous step."""
+    """Tokens whose KV is computed this step (a prompt chunk, or the last sampled token)."""
     num_computed_tokens: int
     """Tokens already in the KV cache; the first of ``token_ids`` sits at this position."""
     block_ids: list[int]

@@ -104,12 +104,6 @@ class WorkerServices(ABC):
 
 
 class WorkerBase(ABC):
-    takes_pending_tokens: bool = False
-    """Whether ``execute_model`` takes ``PENDING_TOKEN`` in a step's ``token_ids`` (the token the
-    request samples in the step before): then a single worker gets its next step before the last
-    one's tokens are back, and never waits for the engine between two steps. ``ModelRunner``
-    fills the placeholder in; a worker whose steps run on it may say True."""
-
     def __init__(
         self,
         config: LoomConfigView,

@@ -157,8 +157,7 @@ class BlockManager:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(computed) * bs
         if self.enable_prefix_caching:
-            # not past the known tokens: a step planned ahead computes a token not sampled yet
-            self._cache_full_blocks(request, min(total, request.num_tokens))
+            self._cache_full_blocks(request, total)
         return True
 
     def free(self, request: Request, invalidate: bool = False) -> None:

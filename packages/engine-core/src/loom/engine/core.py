@@ -11,7 +11,6 @@ engine rejects, or a model step that fails, ends those requests only; the engine
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -95,19 +94,20 @@ class EngineCore:
     def run(self, inbox: Inbox, report: Callable[[EngineOutputs], None]) -> None:
         """Step while there is work, wait for commands while there is none, until ``inbox`` says stop.
 
-        Pipelined: a step's outputs are reported after the next step has started on the workers
-        (``LLMEngine.start_step``), so the workers do not wait for the report (and the front
-        end's wake-up) between two tokens. Where the executor ``schedules_ahead``, one more step
-        is kept queued at the worker, scheduled before the running step's tokens are back, so the
-        worker does not wait for the engine either. Commands are applied between steps: after
-        the oldest running step finished, before the next one is scheduled."""
-        engine = self.engine
-        running: deque[SchedulerOutput] = deque()
+        Pipelined by one step: a step's outputs are reported after the next step has started on
+        the workers (``LLMEngine.start_step``), so the workers do not wait for the report (and the
+        front end's wake-up) between two tokens. Commands are applied between steps, as in
+        :meth:`step`: after the running step finished, before the next one is scheduled. The
+        inbox is read only while no step is out: in the engine-core process the workers' answers
+        come on the same channel as the front end's frames, and only ``Executor.collect`` may take
+        them (it sets the front end's frames aside for the inbox)."""
+        engine, started = self.engine, None
         while True:
             outputs: list = []
             errors: list[RequestError] = []
-            if running:
-                outputs = self._finish(running.popleft(), errors)
+            if started is not None:
+                outputs = self._finish(started, errors)
+                started = None
                 commands = inbox.get(block=False)
             else:
                 commands = inbox.get(block=not engine.has_unfinished_requests())
@@ -115,11 +115,8 @@ class EngineCore:
                 if commands is None:
                     return
                 errors.extend(self.apply(commands))
-                while len(running) < (2 if engine.schedules_ahead else 1) and engine.has_unfinished_requests():
+                if engine.has_unfinished_requests():
                     started = engine.start_step()
-                    if started is None:
-                        break
-                    running.append(started)
             finally:  # the finished step's outputs reach their requests, whatever happens to the next
                 out = self._report(outputs, errors, commands or ())
                 if out is not None:

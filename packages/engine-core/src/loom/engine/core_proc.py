@@ -37,10 +37,7 @@ logger = init_logger("loom.engine_core")
 
 
 class ChannelInbox:
-    """The engine loop's commands from the front end's frames (and any the executor kept aside).
-
-    The workers' answers come on the same channel: one read here while a step is out goes back
-    to the executor (``keep_answer``) for its ``collect``."""
+    """The engine loop's commands from the front end's frames (and any the executor kept aside)."""
 
     def __init__(self, channel: Channel, executor: Executor) -> None:
         self.channel = channel
@@ -57,13 +54,10 @@ class ChannelInbox:
             msg = self.channel.recv(timeout=0)
         return [cmd for cmd in map(self._command, messages) if cmd is not None]
 
-    def _command(self, msg: Message) -> Command | None:
+    @staticmethod
+    def _command(msg: Message) -> Command | None:
         if isinstance(msg.body, (AddRequest, AbortRequests)):
             return msg.body
-        keep_answer = getattr(self.executor, "keep_answer", None)
-        if keep_answer is not None and msg.src.startswith("worker"):
-            keep_answer(msg)
-            return None
         logger.warning("Engine core ignored a %s frame from %s", msg.kind.value, msg.src)
         return None
 

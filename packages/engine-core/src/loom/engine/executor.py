@@ -27,10 +27,6 @@ class Executor(abc.ABC):
 
     num_blocks: int
     """KV-cache blocks the workers allocated (known once the executor is built)."""
-    schedules_ahead: bool = False
-    """Whether the engine loop may dispatch a step before the previous one is collected, its
-    requests' next tokens sent as ``PENDING_TOKEN`` (the workers run steps in order and fill them
-    in). Only where one worker samples: every rank would have to sample the same token."""
 
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

@@ -56,8 +56,7 @@ class LLMEngine:
         self._arrival = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self._dispatch_errors: dict[int, Exception] = {}
-        """A step's failure to start, by ``id()`` of its SchedulerOutput: its finish_step raises it."""
+        self._dispatch_error: Exception | None = None
         logger.info(
             "Engine: %d KV-cache blocks of %d tokens (%d tokens), prefix caching %s, eos_token_id=%s",
             executor.num_blocks, cache_config.block_size, executor.num_blocks * cache_config.block_size,
@@ -188,12 +187,6 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor)
 
-    @property
-    def schedules_ahead(self) -> bool:
-        """Whether a step may start while another runs (``Executor.schedules_ahead``); not while
-        the requests of a failed step are being run alone to find the one at fault."""
-        return self.executor.schedules_ahead and not self.scheduler.suspects
-
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         started = self.start_step()
@@ -207,12 +200,13 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
             return None
+        self._dispatch_error = None
         try:
             self.executor.dispatch(scheduler_output)
         except EngineFatalError:
             raise
         except Exception as e:  # failed like the step itself: finish_step handles it so
-            self._dispatch_errors[id(scheduler_output)] = e
+            self._dispatch_error = e
         return scheduler_output
 
     def finish_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
@@ -223,9 +217,8 @@ class LLMEngine:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
-            error = self._dispatch_errors.pop(id(scheduler_output), None)
-            if error is not None:
-                raise error
+            if self._dispatch_error is not None:
+                raise self._dispatch_error
             return self.executor.collect(scheduler_output)
         except EngineFatalError:
             raise  # nothing to retry: the engine's process ends

@@ -4,10 +4,7 @@ Every message goes through the supervisor. At start-up it collects each rank's
 ``WorkerInfo``, sizes the KV cache from the smallest offer, and waits for every rank to
 allocate it. Each step fans the SchedulerOutput out to ``workers`` and waits for the
 driver's (rank 0) ``MODEL_OUTPUT``; frames from the front end that arrive meanwhile are
-kept for the engine loop, and the workers' answers the engine loop reads are handed back
-(:meth:`MultiprocExecutor.keep_answer`): both share the engine core's one channel. With one
-worker whose runner takes ``PENDING_TOKEN``, the engine loop keeps the next step queued at the
-worker while the current one runs (``schedules_ahead``). A step whose output does not come within ``step_timeout``
+kept for the engine loop. A step whose output does not come within ``step_timeout``
 seconds (a worker alive, sending heartbeats, but stuck in a kernel or a collective) raises
 ``StepTimeoutError``: the engine core ends and the supervisor reports it.
 """
@@ -39,23 +36,18 @@ class MultiprocExecutor(Executor):
         self.step_timeout = step_timeout or None
         """Seconds a model step may take (None: no limit)."""
         self.pending: deque[Message] = deque()
-        """Front-end frames read while waiting for the workers: the engine loop's."""
-        self.answers: deque[Message] = deque()
-        """Workers' frames the engine loop read: the next collect's."""
         world = config.parallel_config.world_size
         infos: dict[int, WorkerInfo] = {}
         while len(infos) < world:
             info = self._recv_from_workers(WorkerInfo)
             infos[info.rank] = info
         self.num_blocks = size_kv_cache(config, infos.values())
-        self.schedules_ahead = world == 1 and infos[0].takes_pending_tokens
         block_size = config.cache_config.block_size
         channel.send("workers", InitCache(num_blocks=self.num_blocks, block_size=block_size))
         ready: set[int] = set()
         while len(ready) < world:
             ready.add(self._recv_from_workers(CacheReady).rank)
-        logger.info("%d worker(s) allocated %d KV-cache blocks of %d tokens%s", world, self.num_blocks, block_size,
-                    "; steps are scheduled one ahead" if self.schedules_ahead else "")
+        logger.info("%d worker(s) allocated %d KV-cache blocks of %d tokens", world, self.num_blocks, block_size)
 
     def _recv_from_workers(self, tp: type[T], timeout: float | None = None) -> T:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -65,7 +57,7 @@ class MultiprocExecutor(Executor):
                 raise StepTimeoutError(
                     f"a model step has run {timeout:g} s without the workers' output (--step-timeout): a worker is "
                     "stuck in the step although its process answers; stopping the serve")
-            msg = self.answers.popleft() if self.answers else self.channel.recv(timeout=left)
+            msg = self.channel.recv(timeout=left)
             if msg is None:
                 continue
             if isinstance(msg.body, tp):
@@ -73,10 +65,6 @@ class MultiprocExecutor(Executor):
             if isinstance(msg.body, StepError):
                 raise WorkerStepError(f"{msg.src}: {msg.body.message}")
             self.pending.append(msg)  # front-end traffic: the engine loop handles it
-
-    def keep_answer(self, msg: Message) -> None:
-        """A worker's frame the engine loop read from the channel: :meth:`collect` takes it."""
-        self.answers.append(msg)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.dispatch(scheduler_output)

@@ -39,7 +39,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt", "prompt_token_ids", "sampling_params", "arrival", "eos_token_id",
         "parent_id", "index", "status", "all_token_ids", "output_token_ids", "max_tokens",
-        "num_computed_tokens", "num_pending_tokens", "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
+        "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
         "logprobs", "cumulative_logprob", "stop_reason", "prompt_logprobs", "lora_request", "lora_id",
     )
 
@@ -72,10 +72,6 @@ class Request:
         self.max_tokens: int = mt if mt is not None else 1 << 62  # None: the length cap decides
         self.num_computed_tokens = 0
         """Tokens whose KV is in the cache (or is being computed in the step just scheduled)."""
-        self.num_pending_tokens = 0
-        """Tokens being sampled by scheduled steps whose output is not back yet (at most one
-        when the scheduler plans a step ahead; they count toward ``num_computed_tokens`` of the
-        next step, which sends them as ``PENDING_TOKEN``)."""
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache the first time it was scheduled."""
         self.block_ids: list[int] = []

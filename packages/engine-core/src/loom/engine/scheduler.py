@@ -13,14 +13,6 @@ requests of some adapter have all ended. Behind it, base-model requests may star
 no request with an adapter, not even one of an adapter already running: otherwise a steady stream
 of one adapter's requests would keep the passed-over one waiting for ever.
 
-The engine loop may schedule a step while the previous one still runs (``Executor.schedules_ahead``):
-a request that samples in the running step then has a token the scheduler has not seen
-(``num_pending_tokens``); its next step computes that token's KV all the same, sent as
-``PENDING_TOKEN`` for the worker to fill in, and a request whose pending token ends it by length
-is not scheduled again. Ended by EOS or a stop string, it was scheduled once more for nothing:
-that step's token is dropped. A request preempted while its step runs loses that step's token
-and recomputes without it.
-
 When a model step of several requests fails, one of them may have caused it (parameters
 that validation let through, a kernel bug met by one input): :meth:`Scheduler.isolate`
 preempts every running request and marks the failed step's ones as suspects. Each suspect
@@ -34,13 +26,7 @@ import bisect
 from collections import deque
 from collections.abc import Iterable
 
-from loom_plugin_api.step import (
-    PENDING_TOKEN,
-    ModelRunnerOutput,
-    NewRequestData,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from loom_plugin_api.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 from ..config import CacheConfig, SchedulerConfig
 from ..logger import init_logger
@@ -163,11 +149,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if req.num_pending_tokens and self._ends_with_pending(req):
-                i += 1  # the token its running step samples is its last
-                continue
             # 1 for a decode; the rest of the prompt for a request in chunked prefill.
-            num_new = min(req.num_tokens + req.num_pending_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._allocate_or_preempt(req, num_new):
                 break  # req itself was preempted, and it was the last one running
             scheduled.append(self._schedule(req, num_new))
@@ -181,8 +164,6 @@ class Scheduler:
         passed_over: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self.waiting[0]
-            if req.num_pending_tokens:
-                break  # preempted while its step runs: it restarts once that step is back
             if req.lora_id and (passed_over or req.lora_id not in loras and len(loras) >= self.max_loras):
                 # one adapter too many for this step; and behind a request passed over so, no adapter
                 # request starts (the running adapters' requests must drain for it to get its turn)
@@ -264,15 +245,10 @@ class Scheduler:
                 return False
         return True
 
-    def _ends_with_pending(self, req: Request) -> bool:
-        """Whether the tokens ``req``'s running steps sample reach its length limits."""
-        pending = req.num_pending_tokens
-        return req.num_output_tokens + pending >= req.max_tokens or req.num_tokens + pending >= self.max_len
-
     def _preempt(self, req: Request, invalidate: bool = False) -> None:
         self.block_manager.free(req, invalidate)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0  # a token its running step samples is dropped (update_from_output)
+        req.num_computed_tokens = 0
         self.waiting.appendleft(req)
         self.num_preemptions += 1
         logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
@@ -282,20 +258,13 @@ class Scheduler:
         end = start + num_new
         # Advanced now, as vLLM does: the KV of these tokens is being computed this step.
         req.num_computed_tokens = end
-        known, pending = req.num_tokens, req.num_pending_tokens
-        token_ids = req.all_token_ids[start:end]
-        if end > known:  # the token the running step samples (at most one is pending)
-            token_ids.append(PENDING_TOKEN)
-        sample = end == known + pending
-        if sample:
-            req.num_pending_tokens = pending + 1
         return ScheduledRequest(
             req_id=req.request_id,
-            token_ids=token_ids,
+            token_ids=req.all_token_ids[start:end],
             num_computed_tokens=start,
             block_ids=req.block_ids,
-            sample=sample,
-            num_output_tokens=req.num_output_tokens + pending,
+            sample=end == req.num_tokens,
+            num_output_tokens=req.num_output_tokens,
             lora_id=req.lora_id,
         )
 
@@ -311,19 +280,13 @@ class Scheduler:
         any_finished = False
         logprobs = model_runner_output.logprobs
         requests = self.requests
-        for scheduled in scheduler_output.scheduled:
-            if scheduled.sample:
-                req = requests.get(scheduled.req_id)
-                if req is not None and req.num_pending_tokens:
-                    req.num_pending_tokens -= 1
         for chunk in model_runner_output.prompt_logprobs:
             req = requests.get(chunk.req_id)
             if req is not None:
                 req.prompt_logprobs.append(chunk)
-        running = RequestStatus.RUNNING
         for k, req_id in enumerate(model_runner_output.req_ids):
             req = requests.get(req_id)
-            if req is None or req.status != running:  # aborted, stopped or preempted while the step ran
+            if req is None:  # aborted while the step ran
                 continue
             token_id = model_runner_output.sampled_token_ids[k]
             if req is self.isolated:  # it ran alone and sampled: not the one at fault

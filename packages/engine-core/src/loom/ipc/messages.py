@@ -36,7 +36,7 @@ from ..outputs import RequestOutput
 from ..stats import EngineStats
 from .codec import decode, encode
 
-MESSAGES_VERSION = 5  # 4: LoRA requests; 5: WorkerInfo.takes_pending_tokens, PENDING_TOKEN in steps
+MESSAGES_VERSION = 4  # 4: LoRA requests (AddRequest.lora_request, the step types' adapters)
 
 
 class Kind(str, enum.Enum):
@@ -99,8 +99,6 @@ class WorkerInfo:
     available_bytes: int
     block_bytes: int
     block_size: int
-    takes_pending_tokens: bool = False
-    """The worker's ``takes_pending_tokens``: the engine may schedule a step ahead."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -52,8 +52,7 @@ def offer(worker: WorkerBase, config: LoomConfig, rank: int) -> WorkerInfo:
     with span("determine_available_memory"):
         available = worker.determine_available_memory()
     return WorkerInfo(rank=rank, available_bytes=available,
-                      block_bytes=worker.get_kv_cache_block_bytes(), block_size=config.cache_config.block_size,
-                      takes_pending_tokens=bool(getattr(worker, "takes_pending_tokens", False)))
+                      block_bytes=worker.get_kv_cache_block_bytes(), block_size=config.cache_config.block_size)
 
 
 def allocate(worker: WorkerBase, config: LoomConfig, num_blocks: int) -> None:

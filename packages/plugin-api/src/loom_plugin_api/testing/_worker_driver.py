@@ -4,9 +4,7 @@
 It drives the platform's worker through the lifecycle the engine drives, one stage at a
 time, and appends one JSON line per stage to EVENTS (``{"stage", "ok", ...}``), so the
 kit can say which stage failed. The steps are built here: a chunked prefill of one
-request next to the full prefill of another, then decodes, all greedy. A worker whose
-``takes_pending_tokens`` is True gets each decode's token as ``PENDING_TOKEN``, as the engine
-sends it when it schedules a step ahead.
+request next to the full prefill of another, then decodes, all greedy.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from loom.worker.resolve import resolve_worker_cls
 from loom.worker.services import EngineWorkerServices
 
 from ..sampling_params import SamplingParams
-from ..step import PENDING_TOKEN, NewRequestData, ScheduledRequest, SchedulerOutput
+from ..step import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 class _Events:
@@ -75,7 +73,6 @@ def _run_steps(
     computed = {r: 0 for r in prompts}
     outputs: dict[str, list[int]] = {r: [] for r in prompts}
     first, second = list(prompts)
-    pending = bool(getattr(worker, "takes_pending_tokens", False))
 
     def scheduled(req: str, tokens: list[int], sample: bool) -> ScheduledRequest:
         while len(blocks[req]) * block_size < computed[req] + len(tokens):
@@ -118,8 +115,9 @@ def _run_steps(
             for req in prompts:
                 if len(outputs[req]) >= new_tokens:
                     continue
-                last = PENDING_TOKEN if pending else outputs[req][-1]
-                rest = prompts[req][computed[req] :] if computed[req] < len(prompts[req]) else [last]
+                rest = (
+                    prompts[req][computed[req] :] if computed[req] < len(prompts[req]) else [outputs[req][-1]]
+                )
                 work.append(scheduled(req, rest, True))
             if not work:
                 break
@@ -188,7 +186,7 @@ def main(model_dir: str, spec_path: str, events_path: str) -> int:
             config.cache_config.block_size,
             spec["eos_token_id"],
         )
-        event(stage, tokens=tokens, pending_tokens=bool(getattr(worker, "takes_pending_tokens", False)))
+        event(stage, tokens=tokens)
         stage = "shutdown"
         worker.shutdown()
         event(stage, children=_children())

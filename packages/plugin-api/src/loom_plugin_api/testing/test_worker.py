@@ -2,8 +2,7 @@
 
 A fresh interpreter (``_worker_driver``) drives the lifecycle the engine drives: init,
 load, profile (``determine_available_memory``), allocate the KV cache, run steps (a chunked
-prefill next to a full one, then decodes, their tokens sent as ``PENDING_TOKEN`` where the
-worker's ``takes_pending_tokens`` says it takes them), shut down. Its greedy tokens must equal HF
+prefill next to a full one, then decodes), shut down. Its greedy tokens must equal HF
 transformers' on the same checkpoint, and it must exit leaving no process behind.
 """
 
@@ -103,13 +102,10 @@ def test_lifecycle(worker_run: dict) -> None:
 
 
 def test_greedy_tokens_equal_hf_transformers(worker_run: dict) -> None:
-    event = _stage(worker_run, "execute_model")
-    tokens = event["tokens"]
+    tokens = _stage(worker_run, "execute_model")["tokens"]
     for req, expected in worker_run["expected"].items():
         if tokens[req] != expected:
             how = "prefilled in two chunks" if req == "chunked" else "one prefill"
-            if event.get("pending_tokens"):
-                how += ", each decode's token sent as PENDING_TOKEN (the worker's takes_pending_tokens is True)"
             pytest.fail(
                 f"{worker_run['kind']}: request {req!r} ({how}) sampled {tokens[req]} greedily; "
                 f"HF transformers (float32) gives {expected}. Check the "
