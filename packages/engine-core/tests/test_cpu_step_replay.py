@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from loom import platforms
 from loom.model_loader import get_model
-from loom.platforms import cpu_kernels
+from loom.platforms import cpu_kernels, cpu_qdot
 from loom.worker import cpu_step_replay
 from loom.worker.cpu_step_replay import StepGraph, StepReplayError
 from loom_plugin_api import AttentionMetadata, custom_op
@@ -115,6 +115,12 @@ def test_only_calls_tape_run_can_make_are_taped():
     wide.argtypes = [ctypes.c_double]
     assert cpu_step_replay._tape_op(wide, (0.5,)) is None
     assert cpu_step_replay._tape_op(lambda *a: 0, (1,)) is None
+    wide.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    assert list(cpu_step_replay._tape_op(wide, (None, 7)).a[:2]) == [0, 7]  # a null pointer
+    assert cpu_step_replay._tape_op(wide, (1, 1 << 63)) is None  # not an int64
+    assert cpu_step_replay._tape_op(wide, (1, 2.0)) is None  # not a plain int
+    wide.restype = ctypes.c_int64  # tape_run reads an int's return
+    assert cpu_step_replay._tape_op(wide, (1, 2)) is None
 
 
 @torch.inference_mode()
@@ -241,3 +247,60 @@ def test_capture_is_refused_where_a_replay_would_be_wrong(module, reason):
     assert graph is None
     assert reason in why
     assert out is not None  # the capture run is the step's eager answer
+
+
+class _EveryLinearKernel(nn.Module):
+    """The quantized linears (4-bit in both code layouts, 8-bit with int8 x where the CPU has it),
+    RMSNorm with a residual, SiLU-and-mul and the row argmax, between torch ops: each signature
+    the tape encodes, in the dtype given."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        k = self.kernels = cpu_kernels.kernels()
+        g = torch.Generator().manual_seed(0)
+        n, d = 64, 128
+        q4 = torch.randint(0, 16, (n, d), generator=g, dtype=torch.uint8)
+        q8 = torch.randint(0, 256, (n, d), generator=g, dtype=torch.uint8)
+        scale = torch.rand(n, d // 32, generator=g) * 0.05 + 0.01
+        zero = torch.randn(n, d // 32, generator=g) * 0.01
+        self.packed = [cpu_kernels.pack_q4(q4, scale, zero, dtype, layout=0)]
+        if k.int8_compiled:
+            self.packed.append(cpu_kernels.pack_q4(q4, scale, zero, dtype, layout=1))
+        self.q8 = (q8, scale, zero)
+        self.p8 = cpu_qdot.pack_q8(q8, scale, zero) if k.int8_compiled else None
+        self.embed = nn.Embedding(50, d).to(dtype)
+        self.weight = nn.Parameter((torch.rand(d) + 0.5).to(dtype), requires_grad=False)
+
+    def forward(self, ids, pos):
+        k = self.kernels
+        x = self.embed(ids)
+        x, residual = k.rms_norm(x, self.weight, 1e-6, residual=x * 0.5)
+        h = sum(k.q4_linear(x, p) for p in self.packed)
+        h = k.q8_linear(x, *self.q8, 32) + h
+        if self.p8 is not None:
+            h = k.q8a_linear(x, self.p8) + h
+        y = k.silu_and_mul(h * pos.unsqueeze(-1).to(h.dtype))
+        value, index = k.row_argmax(y)
+        return torch.cat([y.float().flatten(), value.float().flatten(), index.float().flatten(),
+                          residual.float().flatten()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.inference_mode()
+def test_every_linear_kernel_replays_through_the_tape(dtype):
+    k = cpu_kernels.kernels()
+    if k is None:
+        pytest.skip("no compiled CPU kernels here")
+    model = _EveryLinearKernel(dtype)
+    md = _metadata()
+    graph, _, why = StepGraph.capture(model, torch.tensor([3]), torch.tensor([2]), md, 1)
+    assert graph is not None, why
+    names = {fn.__name__ for fn, _ in graph._ops if isinstance(fn, ctypes._CFuncPtr)}
+    suffix = "f32" if dtype == torch.float32 else "bf16"
+    want = {"rms_norm", "q4_linear", "q8_linear", "silu_and_mul", "row_argmax"}
+    want |= {"qa_linear"} if k.int8_compiled else set()
+    assert names == {f"{n}_{suffix}" for n in want}
+    assert not any(isinstance(fn, ctypes._CFuncPtr) for fn, _ in graph._runs)  # every one taped
+    for tok, p in ((17, 5), (49, 9), (3, 1)):
+        ids, pos = torch.tensor([tok]), torch.tensor([p])
+        assert torch.equal(graph.replay(ids, pos, md), model(ids, pos))

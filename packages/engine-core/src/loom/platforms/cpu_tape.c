@@ -11,9 +11,17 @@
  * fill the integer registers and then the stack, in their order, whatever floats sit between
  * them, and a float goes in the first vector register wherever it is in the list: a kernel
  * reads exactly its own arguments, and the caller, who pushed the extra ones, removes them.
- * A 32-bit int argument is read from the low half of its register or slot. The first replay
- * of a captured step is compared with an eager run of the same step before any is trusted
- * (StepGraph.check), so a platform where this would not hold replays nothing. */
+ * A 32-bit int argument is read from the low half of its register or slot. That holds for the
+ * System V x86-64 ABI and Linux's AAPCS64, not for Apple's arm64 (stack arguments packed at their
+ * own size) nor Windows x64 (arguments by position): elsewhere tape_op_size() is 0 and the
+ * step's calls stay ctypes calls from Python. A wrong argument can crash the process rather than
+ * fail the first replay's comparison with the eager step, hence the guard. */
+
+#if (defined(__x86_64__) && !defined(_WIN32)) || (defined(__aarch64__) && !defined(__APPLE__))
+#define TAPE_ABI_OK 1
+#else
+#define TAPE_ABI_OK 0
+#endif
 
 #define TAPE_INTS 20
 
@@ -28,7 +36,8 @@ typedef int (*tape_fn)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int
                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                        int64_t, int64_t, float);
 
-int64_t tape_op_size(void) { return (int64_t)sizeof(tape_op); }
+/* sizeof(tape_op) where tape_run may be used, 0 where the calling convention does not allow it. */
+int64_t tape_op_size(void) { return TAPE_ABI_OK ? (int64_t)sizeof(tape_op) : 0; }
 
 /* Call ops[0..n) in order; 0, or the first non-zero return, its op's index in *failed. */
 int tape_run(const tape_op *ops, int64_t n, int64_t *failed) {

@@ -10,8 +10,9 @@ and records in order every compiled-kernel call (``attention.backends.native.cal
 function and its plain-int arguments) and every torch op that computes (a
 ``TorchDispatchMode``). Views and allocations are not recorded: their results are the step's
 buffers, which the graph keeps alive. A replay writes the new inputs into the static tensors
-and repeats the list, each run of compiled-kernel calls made in one call into C
-(``tape_run``, ``platforms/cpu_tape.c``: about 1.5 us of Python a call otherwise). Capture is refused (``StepGraph.capture`` returns None and says why)
+and repeats the list; each run of compiled-kernel calls that ``platforms/cpu_tape.c`` can make
+goes in one call into C (``tape_run``: about 1.5 us of Python a call otherwise), the others stay
+ctypes calls. Capture is refused (``StepGraph.capture`` returns None and says why)
 where the step reads a tensor into Python (``.item()``), builds a tensor from Python data
 (``torch.tensor``, ``torch.from_numpy``: ``lift_fresh``) or draws random numbers: a replay would
 repeat the captured value. A Python value passed straight to a kernel (an int argument computed
@@ -121,16 +122,23 @@ class _TapeOp(ctypes.Structure):
 
 
 def _tape_op(fn: object, args: tuple) -> _TapeOp | None:
-    """The call as a ``tape_op``; None where ``cpu_tape.c`` cannot make it (not a compiled kernel,
-    more integer arguments than it passes, more than one float, an argument of another type)."""
+    """The call as a ``tape_op``; None where ``cpu_tape.c`` cannot make it: not a compiled kernel
+    returning a C ``int`` (no ``errcheck``), more integer arguments than it passes, more than one
+    float, an argument of another ctypes type, or a value that is not a plain int (None for a
+    null pointer) within int64."""
     types = getattr(fn, "argtypes", None)
-    if not isinstance(fn, ctypes._CFuncPtr) or types is None or len(types) != len(args):
+    if (not isinstance(fn, ctypes._CFuncPtr) or types is None or len(types) != len(args)
+            or fn.restype is not ctypes.c_int or getattr(fn, "errcheck", None) is not None):
         return None
     ints, floats = [], []
     for tp, value in zip(types, args):
         if tp in _INT_CLASS:
-            ints.append(0 if value is None else int(value))
-        elif tp is ctypes.c_float:
+            if value is None and tp is ctypes.c_void_p:
+                value = 0
+            if type(value) is not int or not -(1 << 63) <= value < 1 << 63:
+                return None
+            ints.append(value)
+        elif tp is ctypes.c_float and type(value) in (int, float):
             floats.append(float(value))
         else:
             return None
