@@ -4,6 +4,7 @@ how close decoding comes to reading the weights once per token at this machine's
     python bench/single_stream.py                               # the default model, auto and none
     python bench/single_stream.py --quantization gguf none --serve
     python bench/single_stream.py --model path/to/model.gguf --prompt-len 1000
+    python bench/single_stream.py --quantization gguf --serve --runs 5   # ratios' spread over 5 runs
 
 For each ``--quantization``: ``loom.LLM`` on the chat question (the model's chat template),
 ``--output-len`` tokens, greedy, EOS suppressed; every engine step is timed, so the decode
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -179,34 +181,51 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=1000, help="prompt tokens for the TTFT figure")
     parser.add_argument("--serve", action="store_true", help="also stream through loom serve (OpenAI client)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat the whole table this many times (the machine's speed drifts: each run's "
+                             "ratio to llama.cpp compares figures measured minutes apart) and summarize the ratios")
     args = parser.parse_args()
     from loom.transformers_utils.config import resolve_model_path
 
     path, fmt = resolve_model_path(args.model)
-    bandwidth = read_bandwidth()
-    print(f"# single stream, {time.strftime('%Y-%m-%d %H:%M')}: {path}\n\nread bandwidth (1 GiB torch sum): "
-          f"{bandwidth / 1e9:.1f} GB/s; {len(os.sched_getaffinity(0))} cores; {args.output_len} tokens, greedy, "
-          f"EOS suppressed; TTFT on a {args.prompt_len}-token prompt\n")
-    print("| engine | weights | tok/s | ITL p50 / p99 (ms) | TTFT (s) | bytes read per token | bound tok/s | "
-          "of bound |\n|---|---|---|---|---|---|---|---|")
+    print(f"# single stream, {time.strftime('%Y-%m-%d %H:%M')}: {path}\n\n{len(os.sched_getaffinity(0))} cores; "
+          f"{args.output_len} tokens, greedy, EOS suppressed; TTFT on a {args.prompt_len}-token prompt; the bound: "
+          "the bytes a decode step reads over the read bandwidth of a 1 GiB torch sum measured at the start of "
+          "each run\n")
+    print("| run | engine | weights | tok/s | ITL p50 / p99 (ms) | TTFT (s) | bytes read per token | bound tok/s | "
+          "of bound |\n|---|---|---|---|---|---|---|---|---|")
+    ratios: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as root:
-        for q in args.quantization:
-            r = run_loom(args.model, q, args.dtype, args.output_len, args.prompt_len)
-            bound = bandwidth / r["weight_bytes"]
-            print(f"| loom offline | {q} | {r['tok_s']:.1f} | {r['itl_p50'] * 1e3:.1f} / {r['itl_p99'] * 1e3:.1f} | "
-                  f"{r['ttft']:.2f} | {r['weight_bytes'] / 1e6:.0f} MB | {bound:.0f} | {r['tok_s'] / bound:.0%} |",
-                  flush=True)
-            if args.serve:
-                s = run_served(args.model, q, args.dtype, args.output_len, root)
-                print(f"| loom serve (client) | {q} | {s['tok_s']:.1f} | {s['itl_p50'] * 1e3:.1f} / "
-                      f"{s['itl_p99'] * 1e3:.1f} | {s['ttft']:.2f} (chat prompt) | | | "
-                      f"{1 / s['itl_p50'] / bound:.0%} (p50) |", flush=True)
-        peer = run_llama_cpp(path, args.output_len, args.prompt_len) if fmt == "gguf" else None
-        if peer is not None:
-            print(f"| llama.cpp | as stored | {peer['tok_s']:.1f} | {peer['itl_p50'] * 1e3:.1f} / "
-                  f"{peer['itl_p99'] * 1e3:.1f} | {peer['ttft']:.2f} | | | |")
-        else:
-            print("| llama.cpp | not run: llama_cpp does not import (or the model is not GGUF) | | | | | | |")
+        for run in range(1, args.runs + 1):
+            bandwidth = read_bandwidth()
+            tok_s: dict[str, float] = {}
+            for q in args.quantization:
+                r = run_loom(args.model, q, args.dtype, args.output_len, args.prompt_len)
+                bound = bandwidth / r["weight_bytes"]
+                tok_s[f"loom offline, {q}"] = r["tok_s"]
+                print(f"| {run} | loom offline | {q} | {r['tok_s']:.1f} | {r['itl_p50'] * 1e3:.1f} / "
+                      f"{r['itl_p99'] * 1e3:.1f} | {r['ttft']:.2f} | {r['weight_bytes'] / 1e6:.0f} MB | "
+                      f"{bound:.0f} ({bandwidth / 1e9:.0f} GB/s) | {r['tok_s'] / bound:.0%} |", flush=True)
+                if args.serve:
+                    s = run_served(args.model, q, args.dtype, args.output_len, root)
+                    tok_s[f"loom serve, {q}"] = s["tok_s"]
+                    print(f"| {run} | loom serve (client) | {q} | {s['tok_s']:.1f} | {s['itl_p50'] * 1e3:.1f} / "
+                          f"{s['itl_p99'] * 1e3:.1f} | {s['ttft']:.2f} (chat prompt) | | | "
+                          f"{1 / s['itl_p50'] / bound:.0%} (p50) |", flush=True)
+            peer = run_llama_cpp(path, args.output_len, args.prompt_len) if fmt == "gguf" else None
+            if peer is None:
+                print(f"| {run} | llama.cpp | not run: llama_cpp does not import (or the model is not GGUF) "
+                      "| | | | | | |")
+                continue
+            print(f"| {run} | llama.cpp | as stored | {peer['tok_s']:.1f} | {peer['itl_p50'] * 1e3:.1f} / "
+                  f"{peer['itl_p99'] * 1e3:.1f} | {peer['ttft']:.2f} | | | |", flush=True)
+            for name, value in tok_s.items():
+                ratios.setdefault(name, []).append(value / peer["tok_s"])
+    if ratios:
+        print("\n| loom / llama.cpp, tok/s in the same run | each run | min | median | max |\n|---|---|---|---|---|")
+        for name, values in ratios.items():
+            print(f"| {name} | {' '.join(f'{v:.2f}x' for v in values)} | {min(values):.2f}x | "
+                  f"{statistics.median(values):.2f}x | {max(values):.2f}x |")
 
 
 if __name__ == "__main__":
