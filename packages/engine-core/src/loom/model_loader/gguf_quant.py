@@ -50,10 +50,13 @@ others are dequantized."""
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 
 
-def _blocks(raw: np.ndarray, block: int) -> torch.Tensor:
-    """The raw ``(rows, bytes per row)`` bytes as a uint8 ``(rows, blocks, block)`` tensor on the
-    same memory (the file's read-only map: nothing here writes to it)."""
+def _blocks(raw: np.ndarray, block: int, type_name: str) -> torch.Tensor:
+    """The raw ``(rows, bytes per row)`` bytes of a ``type_name`` tensor as a uint8 ``(rows, blocks,
+    block)`` tensor on the same memory (the file's read-only map: nothing here writes to it)."""
     rows, nbytes = raw.shape
+    if nbytes % block:
+        unit = "super-blocks" if type_name.endswith("_K") else "blocks"
+        raise ValueError(f"a {type_name} row of {nbytes} bytes is not whole {unit} of {block}")
     with warnings.catch_warnings():  # torch warns that the map is read-only; it is only read
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(np.ascontiguousarray(raw)).view(rows, nbytes // block, block)
@@ -69,27 +72,17 @@ def split_int4_blocks(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.n
     if type_name not in _BLOCK_BYTES:
         raise ValueError(f"GGUF type {type_name} is not a 4-bit block format ({', '.join(INT4_TYPES)})")
     block = _BLOCK_BYTES[type_name]
-    rows, nbytes = raw.shape
-    if nbytes % block:
-        raise ValueError(f"a {type_name} row of {nbytes} bytes is not whole blocks of {block}")
     # in torch, not numpy: its element-wise kernels use every core the worker has at load
-    blocks = _blocks(raw, block)
+    blocks = _blocks(raw, block, type_name)
     d = _fp16_field(blocks, 0)
     zero = _fp16_field(blocks, 2).add_(d, alpha=8.0) if type_name == "Q4_1" else torch.zeros_like(d)
     nibbles = blocks[..., block - 16:]  # (rows, groups, 16)
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # weights 0-15, then 16-31
-    return q.view(rows, -1).numpy(), d.numpy(), zero.numpy()
-
-
-def _k_blocks(raw: np.ndarray, type_name: str, block: int) -> torch.Tensor:
-    rows, nbytes = raw.shape
-    if nbytes % block:
-        raise ValueError(f"a {type_name} row of {nbytes} bytes is not whole super-blocks of {block}")
-    return _blocks(raw, block)
+    return q.view(blocks.shape[0], -1).numpy(), d.numpy(), zero.numpy()
 
 
 def _split_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    blocks = _k_blocks(raw, "Q4_K", 144)
+    blocks = _blocks(raw, 144, "Q4_K")
     rows, nsb = blocks.shape[:2]
     d, dmin = _fp16_field(blocks, 0), _fp16_field(blocks, 2)  # (rows, nsb)
     s = blocks[..., 4:16].to(torch.int32)  # the 12 bytes of scales and mins
@@ -103,7 +96,7 @@ def _split_q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _split_q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    blocks = _k_blocks(raw, "Q6_K", 210)
+    blocks = _blocks(raw, 210, "Q6_K")
     rows, nsb = blocks.shape[:2]
     ql = blocks[..., 0:128].reshape(rows, nsb, 2, 2, 32)  # (half, bytes 0-31 / 32-63, l)
     qh = blocks[..., 128:192].reshape(rows, nsb, 2, 1, 32)  # (half, l)
@@ -127,10 +120,8 @@ def split_blocks(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarra
         return _split_q6_k(raw)
     if type_name != "Q8_0":
         return split_int4_blocks(raw, type_name)
-    rows, nbytes = raw.shape
-    if nbytes % 34:
-        raise ValueError(f"a Q8_0 row of {nbytes} bytes is not whole blocks of 34")
-    blocks = _blocks(raw, 34)
+    blocks = _blocks(raw, 34, "Q8_0")
+    rows = blocks.shape[0]
     d = _fp16_field(blocks, 0)  # (rows, groups)
     q = blocks[..., 2:] ^ 0x80  # the int8 c's bits with the sign flipped: the uint8 c + 128
     return q.reshape(rows, -1).numpy(), d.numpy(), torch.zeros_like(d).numpy()
@@ -146,7 +137,7 @@ def dequantize_q8_0(raw: np.ndarray) -> np.ndarray:
     """fp32 weights of a Q8_0 tensor (blocks of an fp16 scale and 32 int8), vectorized in torch
     with one fp32 array allocated (the ``gguf`` package's loop over row groups takes 0.2 s for
     SmolLM2's embedding)."""
-    rows, nbytes = raw.shape
-    blocks = _blocks(raw, 34)
+    blocks = _blocks(raw, 34, "Q8_0")
+    rows = blocks.shape[0]
     out = blocks[..., 2:].view(torch.int8).float()  # (rows, groups, 32)
     return out.mul_(_fp16_field(blocks, 0).unsqueeze(-1)).view(rows, -1).numpy()

@@ -114,12 +114,14 @@ def _quantized_head(model: nn.Module, entries: list, dtype: torch.dtype) -> Quan
         return None
     wanted = "model.embed_tokens.weight" if embed is not None and lm_head.weight is embed.weight else "lm_head.weight"
     found = [(shape, tensor) for name, shape, tensor, _ in entries if name == wanted]
-    if len(found) != 1 or found[0][1].type_name not in FORMATS or found[0][0][1] % FORMATS[found[0][1].type_name][1]:
+    if len(found) != 1 or found[0][1].type_name not in FORMATS:
         return None
     shape, tensor = found[0]
+    bits, group = FORMATS[tensor.type_name]
+    if shape[1] % group:
+        return None
     q, scale, zero = (torch.from_numpy(np.ascontiguousarray(a))
                       for a in split_blocks(tensor.data.reshape(shape[0], -1), tensor.type_name))
-    bits, group = FORMATS[tensor.type_name]
     rows = lm_head.weight.shape[0]
     start, end = lm_head.vocab_start_index, min(lm_head.vocab_end_index, shape[0])
     real = max(end - start, 0)
