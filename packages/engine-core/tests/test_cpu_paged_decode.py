@@ -82,20 +82,22 @@ def test_kernel_matches_torch(kernel, dtype, heads, kv_heads, head_size, block_s
     assert (out[untouched] == 7.0).all(), "the kernel wrote rows that are not decode rows"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_one_request_splits_heads_across_threads(kernel, threads):
+def test_one_request_splits_heads_across_threads(kernel, threads, dtype):
     """One stream (the chat case) splits its KV heads across threads; the answer is the same."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(1)
-        k_cache, v_cache = (torch.randn(64 * 16, 3, 64, generator=g) for _ in range(2))
+        k_cache, v_cache = (torch.randn(64 * 16, 3, 64, generator=g).to(dtype) for _ in range(2))
         tables = torch.randperm(64, generator=g).view(1, 64)
-        query, out = torch.randn(1, 9 * 64, generator=g), torch.empty(1, 9 * 64)
+        query, out = torch.randn(1, 9 * 64, generator=g).to(dtype), torch.empty(1, 9 * 64, dtype=dtype)
         one, ctx = torch.zeros(1, dtype=torch.long), torch.tensor([1000])
         kernel(query, one, one, k_cache, v_cache, tables, ctx, out, num_heads=9, block_size=16, scale=0.125)
+        tol = TOLERANCE[dtype]
         torch.testing.assert_close(out.double(), _reference(query, one, one, k_cache, v_cache, tables, ctx, 9, 16,
-                                                            0.125), atol=1e-5, rtol=1e-5)
+                                                            0.125), atol=tol, rtol=tol)
     finally:
         torch.set_num_threads(before)
 
@@ -204,3 +206,80 @@ def test_kv_write_equals_index_copy(kernel, dtype):
             kernel.write_kv(key * 2, value * 2, torch.tensor(bad), k_rows, v_rows)
         assert torch.equal(k_rows, k_want) and torch.equal(v_rows, v_want)
     assert not kernel.write_kv(key.float() if dtype != torch.float32 else key.double(), value, slots, k_rows, v_rows)
+
+
+def _has_avx512_bf16() -> bool:
+    from loom.platforms.cpu_features import cpu_flags
+
+    return {"avx512_bf16", "avx512bw", "avx512vl"} <= set(cpu_flags())
+
+
+def _portable_bf16(kernel) -> native.PagedDecode:
+    """The same kernel object with bf16 sent to the portable C kernel (exported beside the
+    AVX512-BF16 one that ``paged_decode_bf16`` dispatches to)."""
+    import copy
+    import ctypes
+
+    fn = kernel.lib.paged_decode_portable_bf16
+    fn.argtypes, fn.restype = native._ARGTYPES, ctypes.c_int
+    other = copy.copy(kernel)
+    other._fns = {**kernel._fns, torch.bfloat16: fn}
+    return other
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (12, 1, 64)])
+def test_bf16_fast_kernel_against_portable_and_torch(kernel, heads, kv_heads, head_size):
+    """On a CPU with AVX512-BF16 the bf16 entry takes its own kernel (head sizes a multiple of 32);
+    it and the portable kernel both match torch, over many requests (each thread asks for its next
+    item's K/V while computing one) and contexts that are not multiples of its 16-token tiles."""
+    assert kernel.takes_prefill(torch.bfloat16, heads, kv_heads, head_size) == _has_avx512_bf16()
+    assert not kernel.takes_prefill(torch.float32, heads, kv_heads, head_size)
+    assert not kernel.takes_prefill(torch.bfloat16, heads, kv_heads, 80)  # portable: 80 % 32
+    g = torch.Generator().manual_seed(head_size + heads)
+    block_size, B = 16, 40
+    ctx = torch.randint(1, 300, (B,), generator=g)
+    ctx[:4] = torch.tensor([1, 15, 16, 17])
+    nblk = 19
+    tables = torch.randperm(B * nblk, generator=g).view(B, nblk)
+    slots = B * nblk * block_size
+    k_cache, v_cache = (torch.randn(slots, kv_heads, head_size, generator=g).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(B, heads * head_size, generator=g).to(torch.bfloat16)
+    rows = torch.arange(B)
+    want = _reference(query, rows, rows, k_cache, v_cache, tables, ctx, heads, block_size, head_size**-0.5)
+    for k in (kernel, _portable_bf16(kernel)):
+        out = torch.empty(B, heads * head_size, dtype=torch.bfloat16)
+        k(query, rows, rows, k_cache, v_cache, tables, ctx, out, num_heads=heads, block_size=block_size,
+          scale=head_size**-0.5)
+        torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_backend_runs_short_prefills_through_the_kernel(kernel, monkeypatch):
+    """bf16 on a CPU with AVX512-BF16: prefill chunks with a context up to KERNEL_PREFILL_MAX_CTX
+    (a fresh one and one after a cached prefix) join the kernel's query rows, a longer one keeps
+    torch's SDPA; the step's output equals the all-torch path's either way."""
+    from loom.attention.backends import torch_sdpa
+
+    monkeypatch.setattr(torch_sdpa, "KERNEL_PREFILL_MAX_CTX", 12)
+    g = torch.Generator().manual_seed(4)
+    md, num_blocks = _mixed_step(g)  # q_lens [1, 5, 1, 4], contexts [20, 13, 9, 4]
+    H, Hk, D = 6, 2, 64
+    T, dtype = md.num_tokens, torch.bfloat16
+    cache = torch.randn(2, num_blocks, md.block_size, Hk, D, generator=g).to(dtype)
+    q, k, v = (torch.randn(T, n * D, generator=g).to(dtype) for n in (H, Hk, Hk))
+    with_kernel = TorchSDPAImpl(H, D, D**-0.5, Hk)
+    without = TorchSDPAImpl(H, D, D**-0.5, Hk)
+    without._kernel = None
+    cache2 = cache.clone()
+    out = with_kernel.forward(None, q, k, v, cache, md)
+    fast = _has_avx512_bf16()
+    plan = md.scratch[f"torch_sdpa_plan_0{int(fast)}"]
+    # decodes at tokens 0 and 6; with the fast kernel also the 4-token fresh prefill (tokens 7-10)
+    want_rows = [0, 6, 7, 8, 9, 10] if fast else [0, 6]
+    assert sorted(plan.decode.token_idx.tolist()) == want_rows
+    if fast:
+        by_token = dict(zip(plan.decode.token_idx.tolist(), plan.decode.ctx.tolist()))
+        assert [by_token[t] for t in (7, 8, 9, 10)] == [1, 2, 3, 4]  # causal: each up to its own position
+    assert [(p.start, p.end) for p in plan.prefills] == [(1, 6)]  # context 13 > 12: torch SDPA
+    md.scratch.clear()
+    want = without.forward(None, q, k, v, cache2, md)
+    torch.testing.assert_close(out, want, atol=1.6e-2, rtol=1.6e-2)

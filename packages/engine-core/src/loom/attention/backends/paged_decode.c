@@ -114,8 +114,8 @@ static inline v8f exp_nonpositive(v8f x) {
         }                                                                                      \
     }
 
-#define DEFINE_PAGED_DECODE(NAME, T)                                                            \
-int paged_decode_##NAME(                                                                        \
+#define DEFINE_PAGED_DECODE(FN, NAME, T)                                                        \
+int FN(                                                                                         \
     const T *query, int64_t q_stride, const int64_t *rows_q, const int64_t *rows_req,          \
     const T *k_cache, const T *v_cache, const int64_t *tables, int64_t bt_stride,              \
     const int64_t *ctx_lens, T *out, int64_t out_stride, int64_t B, int64_t H, int64_t Hk,     \
@@ -217,9 +217,12 @@ int paged_decode_##NAME(                                                        
     return failed;                                                                             \
 }
 
-DEFINE_PAGED_DECODE(f32, float)
-DEFINE_PAGED_DECODE(bf16, bf16_t)
-DEFINE_PAGED_DECODE(f16, f16_t)
+DEFINE_PAGED_DECODE(paged_decode_f32, f32, float)
+DEFINE_PAGED_DECODE(paged_decode_portable_bf16, bf16, bf16_t)
+DEFINE_PAGED_DECODE(paged_decode_f16, f16, f16_t)
+
+/* paged_decode_bf16 (the exported bf16 entry) is defined in paged_decode_dpbf16.c, appended to
+ * this file when it is built. */
 
 /* The step's new keys and values into the cache: row i of key (row stride ks) and of value (vs),
  * row elements each (Hk * D), to slot slots[i] of k_cache and v_cache ((num_slots, row),

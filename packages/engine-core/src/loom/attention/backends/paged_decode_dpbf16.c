@@ -1,0 +1,248 @@
+/* Decode attention in bf16 with AVX512-BF16, appended to paged_decode.c when it is built (same
+ * layouts, arguments and work items as the portable kernel there; see its comment).
+ *
+ * The portable kernel widens every K element to fp32 and ends each score with a horizontal sum
+ * of one vector: at a decode batch of 64 it computes about 47 GFLOP/s on two cores, so it is
+ * bound by instructions, not by the K/V it reads. Here:
+ *   - Q.K: `vdpbf16ps` multiplies K's bf16 pairs by the query's without widening (the products
+ *     are exact in fp32; pairs are summed in fp32), 32 elements an instruction, and the 16
+ *     scores of a tile of 16 tokens are reduced together (a tree of 45 shuffles and adds for
+ *     16 vectors instead of a reduction per score); the scale is applied to the sums.
+ *   - softmax as in the portable kernel.
+ *   - P.V: the probabilities stay fp32; V is widened 16 elements at a time and accumulated with
+ *     FMAs for up to four query heads of the group and 64 elements of D in registers.
+ * Used for D % 32 == 0 (every head size of common models but 80 and 8); `paged_decode_bf16`
+ * (the exported entry, at the end) sends other sizes and CPUs without the extension to the
+ * portable kernel. The results equal the portable kernel's up to the fp32 rounding of the
+ * score sums' order.
+ */
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define LOOM_DPBF16 1
+#define MAX_DV32 8 /* D / 32 up to 256 */
+
+/* s[j] = the sum of the 16 lanes of a[j], j = 0 .. 15 */
+static inline __m512 reduce16(const __m512 a[16]) {
+    __m512 c[8], d[4];
+    for (int i = 0; i < 8; i++) /* [8 partials of a[2i] | 8 of a[2i+1]] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lane k: 4 partials of token 4i + k */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    /* lane k: [2 partials of token k, 2 of token 4 + k] and [.. 8 + k, .. 12 + k] */
+    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_ps(d[2], d[3], 0x88), _mm512_shuffle_ps(d[2], d[3], 0xDD));
+    /* element 4k + m holds the sum of token 4m + k */
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e0, e1, 0x88), _mm512_shuffle_ps(e0, e1, 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, f);
+}
+
+static inline __m512bh load_bh(const bf16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
+static inline __m512 widen16(const bf16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+
+static const bf16_t zero_row[32 * MAX_DV32]; /* the keys of a tile past the context */
+
+/* The next work item's K and V, asked for (into L2) a few lines at a time while this item
+ * computes. A thread that reads a request's scattered blocks only as it reaches them computes
+ * and waits in turn (about 14 GB/s of K/V at a decode batch of 64, with the hardware
+ * prefetchers); asking for the whole next item at once stalls on the full miss queue instead. */
+typedef struct {
+    const bf16_t *k_cache, *v_cache;
+    const int64_t *table;
+    int64_t ctx, block_size, row, off, span; /* span: bytes of a token's heads of the item */
+    int64_t t, per_step;                     /* next token; lines asked for per call */
+    int which;                               /* 0: K, 1: V, 2: done */
+} prefetcher;
+
+static inline void prefetch_some(prefetcher *c) {
+    for (int64_t lines = c->per_step; lines > 0 && c->which < 2;) {
+        if (c->t >= c->ctx) { c->which++; c->t = 0; continue; }
+        const bf16_t *cache = c->which ? c->v_cache : c->k_cache;
+        const char *p = (const char *)(cache + (c->table[c->t / c->block_size] * c->block_size
+                                                + c->t % c->block_size) * c->row + c->off);
+        for (int64_t l = 0; l < c->span; l += 64) __builtin_prefetch(p + l, 0, 2);
+        lines -= (c->span + 63) / 64;
+        c->t++;
+    }
+}
+
+/* scores[r * stride + t] = scale * q_r . k_t for the g query heads of KV head kh, t < ctx
+ * (written up to ctx rounded up to 16) */
+static inline void qk_dp(const bf16_t *q, const bf16_t *k_cache, const int64_t *table, int64_t block_size,
+                         int64_t row, int64_t kh, int64_t ctx, int64_t g, int64_t D, float scale, float *scores,
+                         int64_t stride, prefetcher *pf) {
+    const int64_t dv = D / 32;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+        const bf16_t *kp[16];
+        for (int j = 0; j < 16; j++) {
+            const int64_t t = t0 + j;
+            kp[j] = t < ctx ? k_cache + (table[t / block_size] * block_size + t % block_size) * row + kh * D
+                            : zero_row;
+        }
+        for (int64_t f = t0 + 16; f < t0 + 32 && f < ctx; f++) { /* the next tile: blocks are scattered */
+            const char *p = (const char *)(k_cache + (table[f / block_size] * block_size + f % block_size) * row
+                                           + kh * D);
+            for (int64_t l = 0; l < D * (int64_t)sizeof(bf16_t); l += 64) __builtin_prefetch(p + l);
+        }
+        for (int64_t r = 0; r < g; r++) {
+            prefetch_some(pf);
+            __m512bh qv[MAX_DV32];
+            for (int64_t c = 0; c < dv; c++) qv[c] = load_bh(q + r * D + 32 * c);
+            __m512 a[16];
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) {
+                __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bh(kp[j]));
+                for (int64_t c = 1; c < dv; c++) s = _mm512_dpbf16_ps(s, qv[c], load_bh(kp[j] + 32 * c));
+                a[j] = s;
+            }
+            _mm512_storeu_ps(scores + r * stride + t0, _mm512_mul_ps(reduce16(a), vscale));
+        }
+    }
+}
+
+/* acc (NR heads x ND * 16 elements of D from d0) = sum over t of p[r][t] * v_t; into out rows */
+static inline __attribute__((always_inline)) void pv_tile(const bf16_t *v_cache, const int64_t *table,
+                                                          int64_t block_size, int64_t row, int64_t kh, int64_t ctx,
+                                                          int64_t D, const float *p, int64_t stride, int64_t d0,
+                                                          bf16_t *o, prefetcher *pf, const int NR, const int ND) {
+    __m512 acc[4][4];
+    for (int r = 0; r < NR; r++) for (int c = 0; c < ND; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < ctx; t++) {
+        const bf16_t *v = v_cache + (table[t / block_size] * block_size + t % block_size) * row + kh * D + d0;
+        if ((t & 3) == 0) prefetch_some(pf);
+        if (t + 8 < ctx) {
+            const int64_t f = t + 8;
+            __builtin_prefetch(v_cache + (table[f / block_size] * block_size + f % block_size) * row + kh * D + d0);
+        }
+        __m512 x[4];
+        for (int c = 0; c < ND; c++) x[c] = widen16(v + 16 * c);
+        for (int r = 0; r < NR; r++) {
+            const __m512 w = _mm512_set1_ps(p[r * stride + t]);
+            for (int c = 0; c < ND; c++) acc[r][c] = _mm512_fmadd_ps(w, x[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < ND; c++)
+            _mm256_storeu_si256((void *)(o + r * D + d0 + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+}
+
+#define PV_CASE(NR)                                                                                     \
+    switch (nd) {                                                                                       \
+    case 4: pv_tile(v_cache, table, block_size, row, kh, ctx, D, p, stride, d0, o, pf, NR, 4); break;       \
+    case 3: pv_tile(v_cache, table, block_size, row, kh, ctx, D, p, stride, d0, o, pf, NR, 3); break;       \
+    case 2: pv_tile(v_cache, table, block_size, row, kh, ctx, D, p, stride, d0, o, pf, NR, 2); break;       \
+    default: pv_tile(v_cache, table, block_size, row, kh, ctx, D, p, stride, d0, o, pf, NR, 1); break;      \
+    }
+
+static void pv_dp(const bf16_t *v_cache, const int64_t *table, int64_t block_size, int64_t row, int64_t kh,
+                  int64_t ctx, int64_t g, int64_t D, const float *scores, int64_t stride, bf16_t *out,
+                  prefetcher *pf) {
+    for (int64_t r0 = 0; r0 < g; r0 += 4) {
+        const int64_t nr = g - r0 < 4 ? g - r0 : 4;
+        const float *p = scores + r0 * stride;
+        bf16_t *o = out + r0 * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int64_t nd = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
+            if (nr == 4) PV_CASE(4) else if (nr == 3) PV_CASE(3) else if (nr == 2) PV_CASE(2) else PV_CASE(1)
+        }
+    }
+}
+
+static void softmax_rows(float *scores, int64_t nr, int64_t stride, int64_t ctx) {
+    for (int64_t r = 0; r < nr; r++) {
+        float *sr = scores + r * stride;
+        float m = sr[0], sum = 0.f;
+        for (int64_t u = 1; u < ctx; u++) m = sr[u] > m ? sr[u] : m;
+        int64_t u = 0;
+        v8f vsum = {0};
+        for (; u + 8 <= ctx; u += 8) {
+            v8f e = exp_nonpositive(load_f32(sr + u) - m);
+            memcpy(sr + u, &e, sizeof e);
+            vsum += e;
+        }
+        for (; u < ctx; u++) { sr[u] = expf(sr[u] - m); sum += sr[u]; }
+        const float inv = 1.f / (sum + hsum(vsum));
+        for (u = 0; u < ctx; u++) sr[u] *= inv;
+    }
+}
+
+static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int64_t *rows_q,
+                                const int64_t *rows_req, const bf16_t *k_cache, const bf16_t *v_cache,
+                                const int64_t *tables, int64_t bt_stride, const int64_t *ctx_lens, bf16_t *out,
+                                int64_t out_stride, int64_t B, int64_t H, int64_t Hk, int64_t D,
+                                int64_t block_size, int nthreads, float scale) {
+    int64_t max_ctx = 1;
+    for (int64_t b = 0; b < B; b++) max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
+    const int64_t stride = (max_ctx + 15) / 16 * 16, g = H / Hk, row = Hk * D;
+    /* work items as in the portable kernel: a request and a range of its KV heads */
+    int64_t parts = (2 * (int64_t)nthreads + B - 1) / B;
+    if (parts > Hk) parts = Hk;
+    if (parts < 1) parts = 1;
+    const int64_t hpi = (Hk + parts - 1) / parts, per_req = (Hk + hpi - 1) / hpi, items = B * per_req;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(nthreads)")
+    {
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(g * stride));
+        if (!scores) {
+            _Pragma("omp atomic write") failed = 1;
+        } else {
+            const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            for (int64_t it = tid; it < items; it += nt) {
+                const int64_t b = it / per_req, kh0 = (it % per_req) * hpi;
+                const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, ctx = ctx_lens[b];
+                const int64_t *table = tables + rows_req[b] * bt_stride;
+                prefetcher pf = {.which = 2};
+                if (it + nt < items) { /* spread over this item's calls: QK per tile and head, PV per 4 tokens */
+                    const int64_t nb = (it + nt) / per_req, nkh0 = ((it + nt) % per_req) * hpi;
+                    const int64_t nkh1 = nkh0 + hpi < Hk ? nkh0 + hpi : Hk, span = (nkh1 - nkh0) * D * 2;
+                    const int64_t calls = (kh1 - kh0) * (((ctx + 15) / 16) * g + ((g + 3) / 4) * ((D + 63) / 64)
+                                                                                    * ((ctx + 3) / 4));
+                    const int64_t lines = 2 * ctx_lens[nb] * ((span + 63) / 64);
+                    pf = (prefetcher){k_cache, v_cache, tables + rows_req[nb] * bt_stride, ctx_lens[nb], block_size,
+                                      row, nkh0 * D, span, 0, lines / (calls > 0 ? calls : 1) + 1, 0};
+                }
+                for (int64_t kh = kh0; kh < kh1; kh++) {
+                    const bf16_t *q = query + rows_q[b] * q_stride + kh * g * D;
+                    qk_dp(q, k_cache, table, block_size, row, kh, ctx, g, D, scale, scores, stride, &pf);
+                    softmax_rows(scores, g, stride, ctx);
+                    pv_dp(v_cache, table, block_size, row, kh, ctx, g, D, scores, stride,
+                          out + rows_q[b] * out_stride + kh * g * D, &pf);
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed;
+}
+#endif
+
+/* 1 where paged_decode_bf16 takes the AVX512-BF16 kernel for this shape, else 0 */
+int paged_decode_dp_bf16_used(int64_t H, int64_t Hk, int64_t D) {
+#ifdef LOOM_DPBF16
+    return Hk > 0 && D % 32 == 0 && D <= 32 * MAX_DV32 && H % Hk == 0;
+#else
+    (void)H, (void)Hk, (void)D;
+    return 0;
+#endif
+}
+
+/* bf16: the AVX512-BF16 kernel where the CPU has it and D is a multiple of 32, else the portable
+ * one of paged_decode.c (exported too, so the tests check both on a machine that has both) */
+int paged_decode_bf16(const bf16_t *query, int64_t q_stride, const int64_t *rows_q, const int64_t *rows_req,
+                      const bf16_t *k_cache, const bf16_t *v_cache, const int64_t *tables, int64_t bt_stride,
+                      const int64_t *ctx_lens, bf16_t *out, int64_t out_stride, int64_t B, int64_t H, int64_t Hk,
+                      int64_t D, int64_t block_size, int nthreads, float scale) {
+#ifdef LOOM_DPBF16
+    if (paged_decode_dp_bf16_used(H, Hk, D))
+        return paged_decode_dp_bf16(query, q_stride, rows_q, rows_req, k_cache, v_cache, tables, bt_stride,
+                                    ctx_lens, out, out_stride, B, H, Hk, D, block_size, nthreads, scale);
+#endif
+    return paged_decode_portable_bf16(query, q_stride, rows_q, rows_req, k_cache, v_cache, tables, bt_stride,
+                                      ctx_lens, out, out_stride, B, H, Hk, D, block_size, nthreads, scale);
+}
