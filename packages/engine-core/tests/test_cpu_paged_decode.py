@@ -6,14 +6,17 @@ build here: a test that found it missing would fail, not skip.
 
 from __future__ import annotations
 
+import copy
+import ctypes
 import logging
 import os
 
 import pytest
 import torch
 from loom import envs
-from loom.attention.backends import native
+from loom.attention.backends import native, torch_sdpa
 from loom.attention.backends.torch_sdpa import TorchSDPAImpl
+from loom.platforms.cpu_features import cpu_flags
 from loom_plugin_api import AttentionMetadata
 
 
@@ -209,17 +212,12 @@ def test_kv_write_equals_index_copy(kernel, dtype):
 
 
 def _has_avx512_bf16() -> bool:
-    from loom.platforms.cpu_features import cpu_flags
-
     return {"avx512_bf16", "avx512bw", "avx512vl"} <= set(cpu_flags())
 
 
 def _portable_bf16(kernel) -> native.PagedDecode:
     """The same kernel object with bf16 sent to the portable C kernel (exported beside the
     AVX512-BF16 one that ``paged_decode_bf16`` dispatches to)."""
-    import copy
-    import ctypes
-
     fn = kernel.lib.paged_decode_portable_bf16
     fn.argtypes, fn.restype = native._ARGTYPES, ctypes.c_int
     other = copy.copy(kernel)
@@ -257,8 +255,6 @@ def test_backend_runs_short_prefills_through_the_kernel(kernel, monkeypatch):
     """bf16 on a CPU with AVX512-BF16: prefill chunks with a context up to KERNEL_PREFILL_MAX_CTX
     (a fresh one and one after a cached prefix) join the kernel's query rows, a longer one keeps
     torch's SDPA; the step's output equals the all-torch path's either way."""
-    from loom.attention.backends import torch_sdpa
-
     monkeypatch.setattr(torch_sdpa, "KERNEL_PREFILL_MAX_CTX", 12)
     g = torch.Generator().manual_seed(4)
     md, num_blocks = _mixed_step(g)  # q_lens [1, 5, 1, 4], contexts [20, 13, 9, 4]
