@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from loom import envs
-from loom.attention.backends import native, torch_sdpa
+from loom.attention.backends import native
 from loom.attention.backends.torch_sdpa import TorchSDPAImpl
 from loom.platforms.cpu_features import cpu_flags
 from loom_plugin_api import AttentionMetadata
@@ -251,11 +251,10 @@ def test_bf16_fast_kernel_against_portable_and_torch(kernel, heads, kv_heads, he
         torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
 
-def test_backend_runs_short_prefills_through_the_kernel(kernel, monkeypatch):
-    """bf16 on a CPU with AVX512-BF16: prefill chunks with a context up to KERNEL_PREFILL_MAX_CTX
-    (a fresh one and one after a cached prefix) join the kernel's query rows, a longer one keeps
-    torch's SDPA; the step's output equals the all-torch path's either way."""
-    monkeypatch.setattr(torch_sdpa, "KERNEL_PREFILL_MAX_CTX", 12)
+def test_backend_runs_prefills_through_the_kernel():
+    """bf16 on a CPU with AVX512-BF16: every prefill chunk (a fresh one and one after a cached
+    prefix) joins the kernel's query rows, one row per token with its context up to its own
+    position; elsewhere only the decodes do. The step's output equals the all-torch path's."""
     g = torch.Generator().manual_seed(4)
     md, num_blocks = _mixed_step(g)  # q_lens [1, 5, 1, 4], contexts [20, 13, 9, 4]
     H, Hk, D = 6, 2, 64
@@ -269,13 +268,39 @@ def test_backend_runs_short_prefills_through_the_kernel(kernel, monkeypatch):
     out = with_kernel.forward(None, q, k, v, cache, md)
     fast = _has_avx512_bf16()
     plan = md.scratch[f"torch_sdpa_plan_0{int(fast)}"]
-    # decodes at tokens 0 and 6; with the fast kernel also the 4-token fresh prefill (tokens 7-10)
-    want_rows = [0, 6, 7, 8, 9, 10] if fast else [0, 6]
-    assert sorted(plan.decode.token_idx.tolist()) == want_rows
     if fast:
-        by_token = dict(zip(plan.decode.token_idx.tolist(), plan.decode.ctx.tolist()))
-        assert [by_token[t] for t in (7, 8, 9, 10)] == [1, 2, 3, 4]  # causal: each up to its own position
-    assert [(p.start, p.end) for p in plan.prefills] == [(1, 6)]  # context 13 > 12: torch SDPA
+        assert plan.decode.token_idx.tolist() == list(range(T)) and not plan.prefills and not plan.groups
+        assert plan.decode.ctx.tolist() == [20, 9, 10, 11, 12, 13, 9, 1, 2, 3, 4]  # causal, after the prefix
+    else:
+        assert plan.decode.token_idx.tolist() == [0, 6] and len(plan.prefills) == len(plan.groups) == 1
     md.scratch.clear()
     want = without.forward(None, q, k, v, cache2, md)
     torch.testing.assert_close(out, want, atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (12, 12, 64), (8, 2, 128), (4, 1, 32)])
+def test_bf16_prefill_rows_against_torch(kernel, heads, kv_heads, head_size):
+    """Rows of prefill chunks (consecutive tokens of a request, contexts growing by one) share
+    K/V tiles in the AVX512-BF16 kernel, 16 rows at a time: chunks of 1-40 tokens with and without
+    a cached prefix, beside decode rows, in any order of requests, against the float64 reference."""
+    g = torch.Generator().manual_seed(heads + head_size)
+    block_size, nblk = 16, 8
+    chunks = [(40, 0), (17, 30), (1, 5), (16, 0), (3, 100), (1, 77), (33, 1)]  # (tokens, cached prefix)
+    R = len(chunks)
+    tables = torch.randperm(R * nblk, generator=g).view(R, nblk)
+    k_cache, v_cache = (torch.randn(R * nblk * block_size, kv_heads, head_size, generator=g).to(torch.bfloat16)
+                        for _ in range(2))
+    order = torch.randperm(R, generator=g).tolist()
+    rows_req = torch.cat([torch.full((chunks[r][0],), r) for r in order])
+    ctx = torch.cat([torch.arange(chunks[r][1] + 1, chunks[r][1] + chunks[r][0] + 1) for r in order])
+    B = len(ctx)
+    query = torch.randn(B + 5, heads * head_size, generator=g).to(torch.bfloat16)
+    rows_q = torch.randperm(B + 5, generator=g)[:B].contiguous()
+    out = torch.full((B + 5, heads * head_size), 7.0, dtype=torch.bfloat16)
+    kernel(query, rows_q, rows_req, k_cache, v_cache, tables, ctx, out, num_heads=heads, block_size=block_size,
+           scale=head_size**-0.5)
+    want = _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx, heads, block_size, head_size**-0.5)
+    torch.testing.assert_close(out[rows_q].double(), want, atol=1.6e-2, rtol=1.6e-2)
+    untouched = torch.ones(B + 5, dtype=torch.bool)
+    untouched[rows_q] = False
+    assert (out[untouched] == 7.0).all()

@@ -172,13 +172,166 @@ static void softmax_rows(float *scores, int64_t nr, int64_t stride, int64_t ctx)
     }
 }
 
+/* ---- Prefill: consecutive query rows of one request, QB at a time ----
+ * Rows b .. b+n-1 of the same request whose contexts grow by one (the tokens of a prefill chunk,
+ * each attending to the positions up to its own) share each K and V tile: K's 16 tokens are
+ * transposed once into pairs (lane j of kt[i] = elements 2i, 2i+1 of token j), so a query head's
+ * 16 scores are D/2 `vdpbf16ps` with the query's pair broadcast, and no reduction; V's 16 tokens
+ * are widened to fp32 once for all the run's heads. */
+#define QB 16
+
+static inline __attribute__((always_inline)) void pv_acc(const float *p, int64_t m, const float *vt, int64_t D,
+                                                         float *ac, const int ND) {
+    __m512 x[4];
+    for (int c = 0; c < ND; c++) x[c] = _mm512_loadu_ps(ac + 16 * c);
+    for (int64_t j = 0; j < m; j++) {
+        const __m512 w = _mm512_set1_ps(p[j]);
+        for (int c = 0; c < ND; c++) x[c] = _mm512_fmadd_ps(w, _mm512_load_ps(vt + j * D + 16 * c), x[c]);
+    }
+    for (int c = 0; c < ND; c++) _mm512_storeu_ps(ac + 16 * c, x[c]);
+}
+
+/* the run's n query rows (rq, contexts ctx_of, consecutive) for KV head kh */
+static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq, const int64_t *ctx_of, int64_t n,
+                        const bf16_t *k_cache, const bf16_t *v_cache, const int64_t *table, int64_t block_size,
+                        int64_t row, int64_t kh, int64_t g, int64_t D, float scale, float *scores, int64_t stride,
+                        uint32_t *kt, float *vt, float *acc, bf16_t *out, int64_t out_stride) {
+    const int64_t ctxmax = ctx_of[n - 1], nh = n * g, dp = D / 2;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < ctxmax; t0 += 16) {
+        for (int j = 0; j < 16; j++) {
+            const int64_t t = t0 + j;
+            if (t < ctxmax) {
+                const uint32_t *src = (const uint32_t *)(k_cache + (table[t / block_size] * block_size
+                                                                    + t % block_size) * row + kh * D);
+                for (int64_t i = 0; i < dp; i++) kt[i * 16 + j] = src[i];
+            } else {
+                for (int64_t i = 0; i < dp; i++) kt[i * 16 + j] = 0;
+            }
+        }
+        int64_t i0 = t0 + 1 - ctx_of[0]; /* the first query whose context reaches this tile */
+        if (i0 < 0) i0 = 0;
+        for (int64_t h0 = i0 * g; h0 < nh; h0 += 8) {
+            const int64_t nq = nh - h0 < 8 ? nh - h0 : 8;
+            const uint32_t *qp[8];
+            __m512 a[8];
+            for (int k = 0; k < 8; k++) {
+                const int64_t h = h0 + (k < nq ? k : 0);
+                qp[k] = (const uint32_t *)(query + rq[h / g] * q_stride + (kh * g + h % g) * D);
+                a[k] = _mm512_setzero_ps();
+            }
+            for (int64_t i = 0; i < dp; i++) {
+                const __m512bh kv = (__m512bh)_mm512_load_si512((const void *)(kt + i * 16));
+                for (int k = 0; k < 8; k++) a[k] = _mm512_dpbf16_ps(a[k], kv, (__m512bh)_mm512_set1_epi32((int)qp[k][i]));
+            }
+            for (int k = 0; k < nq; k++) _mm512_storeu_ps(scores + (h0 + k) * stride + t0, _mm512_mul_ps(a[k], vscale));
+        }
+    }
+    for (int64_t h = 0; h < nh; h++) softmax_rows(scores + h * stride, 1, stride, ctx_of[h / g]);
+    memset(acc, 0, sizeof(float) * (size_t)(nh * D));
+    for (int64_t t0 = 0; t0 < ctxmax; t0 += 16) {
+        const int64_t nt = ctxmax - t0 < 16 ? ctxmax - t0 : 16;
+        for (int64_t j = 0; j < nt; j++) {
+            const int64_t t = t0 + j;
+            const bf16_t *src = v_cache + (table[t / block_size] * block_size + t % block_size) * row + kh * D;
+            for (int64_t c = 0; c < D / 16; c++) _mm512_store_ps(vt + j * D + 16 * c, widen16(src + 16 * c));
+        }
+        int64_t i0 = t0 + 1 - ctx_of[0];
+        if (i0 < 0) i0 = 0;
+        for (int64_t h = i0 * g; h < nh; h++) {
+            const int64_t ch = ctx_of[h / g] - t0, m = ch < nt ? ch : nt;
+            const float *p = scores + h * stride + t0;
+            for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
+                float *ac = acc + h * D + 16 * c0;
+                switch (D / 16 - c0 < 4 ? D / 16 - c0 : 4) {
+                case 4: pv_acc(p, m, vt + 16 * c0, D, ac, 4); break;
+                case 3: pv_acc(p, m, vt + 16 * c0, D, ac, 3); break;
+                case 2: pv_acc(p, m, vt + 16 * c0, D, ac, 2); break;
+                default: pv_acc(p, m, vt + 16 * c0, D, ac, 1); break;
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < nh; h++) {
+        bf16_t *o = out + rq[h / g] * out_stride + (kh * g + h % g) * D;
+        for (int64_t c = 0; c < D / 16; c++)
+            _mm256_storeu_si256((void *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + h * D + 16 * c)));
+    }
+}
+
+/* The runs of rows (a row continues the run before it when it has the same request row and a
+ * context one longer, up to QB rows); runs[k] = first row, lens[k] = rows. Returns the count. */
+static int64_t find_runs(const int64_t *rows_req, const int64_t *ctx_lens, int64_t B, int64_t *runs, int64_t *lens) {
+    int64_t k = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (k && lens[k - 1] < QB && rows_req[b] == rows_req[b - 1] && ctx_lens[b] == ctx_lens[b - 1] + 1) {
+            lens[k - 1]++;
+        } else {
+            runs[k] = b, lens[k] = 1, k++;
+        }
+    }
+    return k;
+}
+
+static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int64_t *rows_q,
+                                const int64_t *rows_req, const bf16_t *k_cache, const bf16_t *v_cache,
+                                const int64_t *tables, int64_t bt_stride, const int64_t *ctx_lens, bf16_t *out,
+                                int64_t out_stride, const int64_t *runs, const int64_t *lens, int64_t nruns,
+                                int64_t H, int64_t Hk, int64_t D, int64_t block_size, int nthreads, float scale) {
+    int64_t max_ctx = 1;
+    for (int64_t k = 0; k < nruns; k++) {
+        const int64_t c = ctx_lens[runs[k] + lens[k] - 1];
+        max_ctx = c > max_ctx ? c : max_ctx;
+    }
+    const int64_t stride = (max_ctx + 15) / 16 * 16, g = H / Hk, row = Hk * D, items = nruns * Hk;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(nthreads)")
+    {
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(QB * g * stride));
+        uint32_t *kt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(8 * D)); /* D/2 pairs x 16 tokens */
+        float *vt = aligned_alloc(64, sizeof(float) * (size_t)(16 * D));
+        float *acc = aligned_alloc(64, sizeof(float) * (size_t)(QB * g * D));
+        if (!scores || !kt || !vt || !acc) {
+            _Pragma("omp atomic write") failed = 1;
+        } else {
+            const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            for (int64_t it = tid; it < items; it += nt) {
+                const int64_t k = it / Hk, kh = it % Hk, b0 = runs[k];
+                prefill_run(query, q_stride, rows_q + b0, ctx_lens + b0, lens[k], k_cache, v_cache,
+                            tables + rows_req[b0] * bt_stride, block_size, row, kh, g, D, scale, scores, stride,
+                            kt, vt, acc, out, out_stride);
+            }
+        }
+        free(scores); free(kt); free(vt); free(acc);
+    }
+    return failed;
+}
+
 static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int64_t *rows_q,
                                 const int64_t *rows_req, const bf16_t *k_cache, const bf16_t *v_cache,
                                 const int64_t *tables, int64_t bt_stride, const int64_t *ctx_lens, bf16_t *out,
                                 int64_t out_stride, int64_t B, int64_t H, int64_t Hk, int64_t D,
                                 int64_t block_size, int nthreads, float scale) {
+    /* prefill chunks (runs of rows) first, then the single rows (decodes) as below */
+    int64_t *runs = malloc(sizeof(int64_t) * (size_t)(4 * B + 1));
+    if (!runs) return 1;
+    int64_t *lens = runs + B, *multi = lens + B, *mlens = multi + B, *singles = runs; /* singles reuse runs */
+    const int64_t nruns = find_runs(rows_req, ctx_lens, B, runs, lens);
+    int64_t nmulti = 0, nsingle = 0;
+    for (int64_t k = 0; k < nruns; k++)
+        if (lens[k] > 1) multi[nmulti] = runs[k], mlens[nmulti++] = lens[k];
+    if (nmulti) {
+        const int rc = prefill_runs_dp_bf16(query, q_stride, rows_q, rows_req, k_cache, v_cache, tables, bt_stride,
+                                            ctx_lens, out, out_stride, multi, mlens, nmulti, H, Hk, D, block_size,
+                                            nthreads, scale);
+        if (rc) { free(runs); return rc; }
+    }
+    for (int64_t k = 0; k < nruns; k++) /* in place: singles[i] = runs[k] with i <= k */
+        if (lens[k] == 1) singles[nsingle++] = runs[k];
+    B = nsingle;
+    if (!B) { free(runs); return 0; }
     int64_t max_ctx = 1;
-    for (int64_t b = 0; b < B; b++) max_ctx = ctx_lens[b] > max_ctx ? ctx_lens[b] : max_ctx;
+    for (int64_t i = 0; i < B; i++) max_ctx = ctx_lens[singles[i]] > max_ctx ? ctx_lens[singles[i]] : max_ctx;
     const int64_t stride = (max_ctx + 15) / 16 * 16, g = H / Hk, row = Hk * D;
     /* work items as in the portable kernel: a request and a range of its KV heads */
     int64_t parts = (2 * (int64_t)nthreads + B - 1) / B;
@@ -194,12 +347,12 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
         } else {
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
             for (int64_t it = tid; it < items; it += nt) {
-                const int64_t b = it / per_req, kh0 = (it % per_req) * hpi;
+                const int64_t b = singles[it / per_req], kh0 = (it % per_req) * hpi;
                 const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, ctx = ctx_lens[b];
                 const int64_t *table = tables + rows_req[b] * bt_stride;
                 prefetcher pf = {.which = 2};
                 if (it + nt < items) { /* spread over this item's calls: QK per tile and head, PV per 4 tokens */
-                    const int64_t nb = (it + nt) / per_req, nkh0 = ((it + nt) % per_req) * hpi;
+                    const int64_t nb = singles[(it + nt) / per_req], nkh0 = ((it + nt) % per_req) * hpi;
                     const int64_t nkh1 = nkh0 + hpi < Hk ? nkh0 + hpi : Hk, span = (nkh1 - nkh0) * D * 2;
                     const int64_t calls = (kh1 - kh0) * (((ctx + 15) / 16) * g + ((g + 3) / 4) * ((D + 63) / 64)
                                                                                     * ((ctx + 3) / 4));
@@ -218,6 +371,7 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
         }
         free(scores);
     }
+    free(runs);
     return failed;
 }
 #endif
