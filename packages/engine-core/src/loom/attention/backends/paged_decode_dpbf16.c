@@ -47,30 +47,6 @@ static inline __m512 widen16(const bf16_t *p) {
 
 static const bf16_t zero_row[32 * MAX_DV32]; /* the keys of a tile past the context */
 
-/* The next work item's K and V, asked for (into L2) a few lines at a time while this item
- * computes. A thread that reads a request's scattered blocks only as it reaches them computes
- * and waits in turn (about 14 GB/s of K/V at a decode batch of 64, with the hardware
- * prefetchers); asking for the whole next item at once stalls on the full miss queue instead. */
-typedef struct {
-    const bf16_t *k_cache, *v_cache;
-    const int64_t *table;
-    int64_t ctx, block_size, row, off, span; /* span: bytes of a token's heads of the item */
-    int64_t t, per_step;                     /* next token; lines asked for per call */
-    int which;                               /* 0: K, 1: V, 2: done */
-} prefetcher;
-
-static inline void prefetch_some(prefetcher *c) {
-    for (int64_t lines = c->per_step; lines > 0 && c->which < 2;) {
-        if (c->t >= c->ctx) { c->which++; c->t = 0; continue; }
-        const bf16_t *cache = c->which ? c->v_cache : c->k_cache;
-        const char *p = (const char *)(cache + (c->table[c->t / c->block_size] * c->block_size
-                                                + c->t % c->block_size) * c->row + c->off);
-        for (int64_t l = 0; l < c->span; l += 64) __builtin_prefetch(p + l, 0, 2);
-        lines -= (c->span + 63) / 64;
-        c->t++;
-    }
-}
-
 /* scores[r * stride + t] = scale * q_r . k_t for the g query heads of KV head kh, t < ctx
  * (written up to ctx rounded up to 16) */
 static inline void qk_dp(const bf16_t *q, const bf16_t *k_cache, const int64_t *table, int64_t block_size,
@@ -350,16 +326,12 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
                 const int64_t b = singles[it / per_req], kh0 = (it % per_req) * hpi;
                 const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, ctx = ctx_lens[b];
                 const int64_t *table = tables + rows_req[b] * bt_stride;
-                prefetcher pf = {.which = 2};
-                if (it + nt < items) { /* spread over this item's calls: QK per tile and head, PV per 4 tokens */
-                    const int64_t nb = singles[(it + nt) / per_req], nkh0 = ((it + nt) % per_req) * hpi;
-                    const int64_t nkh1 = nkh0 + hpi < Hk ? nkh0 + hpi : Hk, span = (nkh1 - nkh0) * D * 2;
-                    const int64_t calls = (kh1 - kh0) * (((ctx + 15) / 16) * g + ((g + 3) / 4) * ((D + 63) / 64)
-                                                                                    * ((ctx + 3) / 4));
-                    const int64_t lines = 2 * ctx_lens[nb] * ((span + 63) / 64);
-                    pf = (prefetcher){k_cache, v_cache, tables + rows_req[nb] * bt_stride, ctx_lens[nb], block_size,
-                                      row, nkh0 * D, span, 0, lines / (calls > 0 ? calls : 1) + 1, 0};
-                }
+                /* the next item's K/V, spread over this item's calls: QK per tile and head, PV per 4 tokens */
+                prefetcher pf = next_item(it + nt < items ? singles[(it + nt) / per_req] : -1, (it + nt) % per_req,
+                                          hpi, Hk, D, sizeof(bf16_t), rows_req, tables, bt_stride, ctx_lens,
+                                          block_size, k_cache, v_cache,
+                                          (kh1 - kh0) * (((ctx + 15) / 16) * g
+                                                         + ((g + 3) / 4) * ((D + 63) / 64) * ((ctx + 3) / 4)));
                 for (int64_t kh = kh0; kh < kh1; kh++) {
                     const bf16_t *q = query + rows_q[b] * q_stride + kh * g * D;
                     qk_dp(q, k_cache, table, block_size, row, kh, ctx, g, D, scale, scores, stride, &pf);
