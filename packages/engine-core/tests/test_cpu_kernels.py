@@ -67,6 +67,23 @@ def test_silu_and_mul(k, dtype, rows, d):
     torch.testing.assert_close(got, want, equal_nan=True, **_tol(dtype))
 
 
+def test_silu_and_mul_keeps_subnormals_and_matches_bit_for_bit(k):
+    """bf16: tiny gates and products stay subnormal (not flushed to zero) in whole vectors as in
+    the row's tail, and ordinary values equal the reference's bits: the kernel rounds where the
+    reference rounds."""
+    tiny = torch.tensor([1.01e-39, -1.01e-39, 4.96e-39, 1e-30, 1e-20, -1e-20, 3e-38, -50.0])  # inside exp's clamp
+    ups = torch.tensor([1.0, 1.0, 1.0, 1e-10, 1e-20, 1e-20, 0.5, 1.0])
+    g = torch.Generator().manual_seed(5)
+    d = 40  # two whole vectors of 16, a tail of 8
+    gate, up = torch.randn(3, d, generator=g) * 3, torch.randn(3, d, generator=g)
+    for col in (0, 16, 32):  # in each whole vector and in the tail
+        gate[0, col:col + 8], up[0, col:col + 8] = tiny, ups
+    x = torch.cat([gate, up], dim=1).to(torch.bfloat16)
+    got, want = k.silu_and_mul(x), SiluAndMul().forward_native(x)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert (got[0, :6] != 0).all(), "subnormal results were flushed to zero"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("head,rot", [(64, 64), (128, 64), (32, 16)])

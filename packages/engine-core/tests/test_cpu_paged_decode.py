@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from loom import envs
-from loom.attention.backends import native
+from loom.attention.backends import native, torch_sdpa
 from loom.attention.backends.torch_sdpa import TorchSDPAImpl
 from loom.platforms.cpu_features import cpu_flags
 from loom_plugin_api import AttentionMetadata
@@ -251,10 +251,13 @@ def test_bf16_fast_kernel_against_portable_and_torch(kernel, heads, kv_heads, he
         torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
 
-def test_backend_runs_prefills_through_the_kernel():
-    """bf16 on a CPU with AVX512-BF16: every prefill chunk (a fresh one and one after a cached
-    prefix) joins the kernel's query rows, one row per token with its context up to its own
-    position; elsewhere only the decodes do. The step's output equals the all-torch path's."""
+@pytest.mark.parametrize("max_ctx", [4096, 12])
+def test_backend_runs_prefills_through_the_kernel(monkeypatch, max_ctx):
+    """bf16 on a CPU with AVX512-BF16: prefill chunks (a fresh one and one after a cached prefix)
+    with a context up to KERNEL_PREFILL_MAX_CTX join the kernel's query rows, one row per token
+    with its context up to its own position; a longer one, and everything but the decodes
+    elsewhere, keeps torch's SDPA. The step's output equals the all-torch path's."""
+    monkeypatch.setattr(torch_sdpa, "KERNEL_PREFILL_MAX_CTX", max_ctx)
     g = torch.Generator().manual_seed(4)
     md, num_blocks = _mixed_step(g)  # q_lens [1, 5, 1, 4], contexts [20, 13, 9, 4]
     H, Hk, D = 6, 2, 64
@@ -268,11 +271,15 @@ def test_backend_runs_prefills_through_the_kernel():
     out = with_kernel.forward(None, q, k, v, cache, md)
     fast = _has_avx512_bf16()
     plan = md.scratch[f"torch_sdpa_plan_0{int(fast)}"]
-    if fast:
-        assert plan.decode.token_idx.tolist() == list(range(T)) and not plan.prefills and not plan.groups
-        assert plan.decode.ctx.tolist() == [20, 9, 10, 11, 12, 13, 9, 1, 2, 3, 4]  # causal, after the prefix
-    else:
-        assert plan.decode.token_idx.tolist() == [0, 6] and len(plan.prefills) == len(plan.groups) == 1
+    by_token = dict(zip(plan.decode.token_idx.tolist(), plan.decode.ctx.tolist()))
+    if not fast:
+        assert by_token == {0: 20, 6: 9} and len(plan.prefills) == len(plan.groups) == 1
+    elif max_ctx == 4096:
+        assert by_token == dict(enumerate([20, 9, 10, 11, 12, 13, 9, 1, 2, 3, 4]))  # causal, after the prefix
+        assert not plan.prefills and not plan.groups
+    else:  # the chunk after a 8-token prefix reaches 13 > 12: torch SDPA
+        assert by_token == {0: 20, 6: 9, 7: 1, 8: 2, 9: 3, 10: 4}
+        assert [(p.start, p.end) for p in plan.prefills] == [(1, 6)] and not plan.groups
     md.scratch.clear()
     want = without.forward(None, q, k, v, cache2, md)
     torch.testing.assert_close(out, want, atol=1.6e-2, rtol=1.6e-2)

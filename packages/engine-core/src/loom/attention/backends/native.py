@@ -217,6 +217,19 @@ def _self_check(kernel: PagedDecode) -> None:
         v_want = v_cache.view(-1, hk * d).index_copy(0, slots, kv[:, hk * d: 2 * hk * d])
         if not (torch.equal(k_rows, k_want) and torch.equal(v_rows, v_want)):
             raise NativeKernelError(f"the compiled KV write disagrees with index_copy_ in {dtype}")
+    # bf16 with a head size that is a multiple of 32 takes the AVX512-BF16 kernel where the CPU
+    # has it: a prefill run (three rows of request 0, contexts growing by one) and two decode rows
+    h, hk, d = 4, 2, 32
+    rows_q, rows_req = torch.tensor([4, 0, 1, 2, 3]), torch.tensor([0, 0, 0, 1, 2])
+    ctx = torch.tensor([3, 4, 5, 16, 9])
+    k_cache, v_cache = (torch.randn(blocks * bs, hk, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(5, h * d, generator=g).to(torch.bfloat16)
+    out = torch.zeros(5, h * d, dtype=torch.bfloat16)
+    kernel(query, rows_q, rows_req, k_cache, v_cache, tables, ctx, out, num_heads=h, block_size=bs, scale=d**-0.5)
+    want = _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx, h, bs, d**-0.5)
+    if not torch.allclose(out[rows_q].float(), want, atol=2e-2, rtol=2e-2):
+        raise NativeKernelError(f"the compiled kernel disagrees with torch in bf16 with head size {d} "
+                                f"(max error {(out[rows_q].float() - want).abs().max():.3g})")
 
 
 @functools.cache

@@ -1,4 +1,6 @@
-/* Paged attention for decode requests (one query token each), on the CPU.
+/* Paged attention on the CPU for query rows that each attend to the first ctx tokens of their
+ * request: decode requests (one query token each) and, in bf16 on CPUs with AVX512-BF16, the
+ * tokens of prefill chunks (paged_decode_dpbf16.c, appended to this file).
  *
  * Reads K and V straight from the paged cache through each request's block table, so no
  * gathered copy of the context is made. Built by loom.attention.backends.native with the

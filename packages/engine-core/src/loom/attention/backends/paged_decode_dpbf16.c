@@ -14,7 +14,9 @@
  * Used for D % 32 == 0 (every head size of common models but 80 and 8); `paged_decode_bf16`
  * (the exported entry, at the end) sends other sizes and CPUs without the extension to the
  * portable kernel. The results equal the portable kernel's up to the fp32 rounding of the
- * score sums' order.
+ * score sums' order, except at subnormals: `vdpbf16ps` reads subnormal K and query elements as
+ * zero and `vcvtneps2bf16` (the output's rounding) flushes subnormal results to zero, where the
+ * portable kernel keeps them (values below 1.2e-38, which attention does not meet in practice).
  */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -46,6 +48,8 @@ static inline __m512 widen16(const bf16_t *p) {
 }
 
 static const bf16_t zero_row[32 * MAX_DV32]; /* the keys of a tile past the context */
+
+typedef uint32_t u32_alias __attribute__((may_alias)); /* a bf16 pair, read from bf16 storage */
 
 /* scores[r * stride + t] = scale * q_r . k_t for the g query heads of KV head kh, t < ctx
  * (written up to ctx rounded up to 16) */
@@ -171,14 +175,14 @@ static inline __attribute__((always_inline)) void pv_acc(const float *p, int64_t
 static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq, const int64_t *ctx_of, int64_t n,
                         const bf16_t *k_cache, const bf16_t *v_cache, const int64_t *table, int64_t block_size,
                         int64_t row, int64_t kh, int64_t g, int64_t D, float scale, float *scores, int64_t stride,
-                        uint32_t *kt, float *vt, float *acc, bf16_t *out, int64_t out_stride) {
+                        u32_alias *kt, float *vt, float *acc, bf16_t *out, int64_t out_stride) {
     const int64_t ctxmax = ctx_of[n - 1], nh = n * g, dp = D / 2;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < ctxmax; t0 += 16) {
         for (int j = 0; j < 16; j++) {
             const int64_t t = t0 + j;
             if (t < ctxmax) {
-                const uint32_t *src = (const uint32_t *)(k_cache + (table[t / block_size] * block_size
+                const u32_alias *src = (const u32_alias *)(k_cache + (table[t / block_size] * block_size
                                                                     + t % block_size) * row + kh * D);
                 for (int64_t i = 0; i < dp; i++) kt[i * 16 + j] = src[i];
             } else {
@@ -189,11 +193,11 @@ static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq
         if (i0 < 0) i0 = 0;
         for (int64_t h0 = i0 * g; h0 < nh; h0 += 8) {
             const int64_t nq = nh - h0 < 8 ? nh - h0 : 8;
-            const uint32_t *qp[8];
+            const u32_alias *qp[8];
             __m512 a[8];
             for (int k = 0; k < 8; k++) {
                 const int64_t h = h0 + (k < nq ? k : 0);
-                qp[k] = (const uint32_t *)(query + rq[h / g] * q_stride + (kh * g + h % g) * D);
+                qp[k] = (const u32_alias *)(query + rq[h / g] * q_stride + (kh * g + h % g) * D);
                 a[k] = _mm512_setzero_ps();
             }
             for (int64_t i = 0; i < dp; i++) {
@@ -264,7 +268,7 @@ static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     _Pragma("omp parallel num_threads(nthreads)")
     {
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)(QB * g * stride));
-        uint32_t *kt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(8 * D)); /* D/2 pairs x 16 tokens */
+        u32_alias *kt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(8 * D)); /* D/2 pairs x 16 tokens */
         float *vt = aligned_alloc(64, sizeof(float) * (size_t)(16 * D));
         float *acc = aligned_alloc(64, sizeof(float) * (size_t)(QB * g * D));
         if (!scores || !kt || !vt || !acc) {
