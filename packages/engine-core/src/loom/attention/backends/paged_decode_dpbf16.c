@@ -9,8 +9,9 @@
  *     scores of a tile of 16 tokens are reduced together (a tree of 45 shuffles and adds for
  *     16 vectors instead of a reduction per score); the scale is applied to the sums.
  *   - softmax as in the portable kernel.
- *   - P.V: the probabilities stay fp32; V is widened 16 elements at a time and accumulated with
- *     FMAs for up to four query heads of the group and 64 elements of D in registers.
+ *   - P.V: the probabilities stay fp32 (decode rows; prefill rows round them, see below); V is
+ *     widened 16 elements at a time and accumulated with FMAs for up to four query heads of the
+ *     group and 64 elements of D in registers.
  * Used for D % 32 == 0 (every head size of common models but 80 and 8); `paged_decode_bf16`
  * (the exported entry, at the end) sends other sizes and CPUs without the extension to the
  * portable kernel. The results equal the portable kernel's up to the fp32 rounding of the
@@ -157,7 +158,10 @@ static void softmax_rows(float *scores, int64_t nr, int64_t stride, int64_t ctx)
  * each attending to the positions up to its own) share each K and V tile: K's 16 tokens are
  * transposed once into pairs (lane j of kt[i] = elements 2i, 2i+1 of token j), so a query head's
  * 16 scores are D/2 `vdpbf16ps` with the query's pair broadcast, and no reduction; V's 16 tokens
- * are widened to fp32 once for all the run's heads. */
+ * are widened to fp32 once for all the run's heads. P is rounded to bf16 before P.V, where
+ * torch's flash kernel (the path this replaces) rounds it: with P kept in fp32 the default
+ * model's greedy chat answers drifted from torch's as often as bf16 answers drift from fp32 ones,
+ * the README's example among them. */
 #define QB 16
 
 static inline __attribute__((always_inline)) void pv_acc(const float *p, int64_t m, const float *vt, int64_t D,
@@ -207,7 +211,15 @@ static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq
             for (int k = 0; k < nq; k++) _mm512_storeu_ps(scores + (h0 + k) * stride + t0, _mm512_mul_ps(a[k], vscale));
         }
     }
-    for (int64_t h = 0; h < nh; h++) softmax_rows(scores + h * stride, 1, stride, ctx_of[h / g]);
+    for (int64_t h = 0; h < nh; h++) {
+        float *sr = scores + h * stride;
+        const int64_t c = ctx_of[h / g];
+        softmax_rows(sr, 1, stride, c);
+        for (int64_t u = 0; u < c; u++) { /* P rounded to bf16, where torch's flash kernel rounds it */
+            const uint32_t b = (uint32_t)f32_to_bf16(sr[u]) << 16;
+            memcpy(sr + u, &b, sizeof b);
+        }
+    }
     memset(acc, 0, sizeof(float) * (size_t)(nh * D));
     for (int64_t t0 = 0; t0 < ctxmax; t0 += 16) {
         const int64_t nt = ctxmax - t0 < 16 ? ctxmax - t0 : 16;
