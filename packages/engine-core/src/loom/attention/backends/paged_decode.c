@@ -119,6 +119,25 @@ static inline prefetcher next_item(int64_t b, int64_t part, int64_t hpi, int64_t
                         block_size, Hk * D * esize, kh0 * D * esize, span, 0, lines / (calls > 0 ? calls : 1) + 1, 0};
 }
 
+/* each of nr rows (row stride `stride`) of scores: softmax over its first ctx values, in place */
+static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64_t ctx) {
+    for (int64_t r = 0; r < nr; r++) {
+        float *sr = scores + r * stride;
+        float m = sr[0], sum = 0.f;
+        for (int64_t u = 1; u < ctx; u++) m = sr[u] > m ? sr[u] : m;
+        int64_t u = 0;
+        v8f vsum = {0};
+        for (; u + 8 <= ctx; u += 8) {
+            v8f e = exp_nonpositive(load_f32(sr + u) - m);
+            memcpy(sr + u, &e, sizeof e);
+            vsum += e;
+        }
+        for (; u < ctx; u++) { sr[u] = expf(sr[u] - m); sum += sr[u]; }
+        const float inv = 1.f / (sum + hsum(vsum));
+        for (u = 0; u < ctx; u++) sr[u] *= inv;
+    }
+}
+
 #define MAX_DV 32  /* D / 8 up to 256 */
 
 #define SLOT(u) (table[(u) / block_size] * block_size + (u) % block_size)
@@ -223,21 +242,7 @@ int FN(                                                                         
                         scores[r * max_ctx + t] = hsum(a0);                                    \
                     }                                                                          \
                 }                                                                              \
-                for (int64_t r = 0; r < nr; r++) { /* softmax over the context */              \
-                    float *sr = scores + r * max_ctx;                                          \
-                    float m = sr[0], sum = 0.f;                                                \
-                    for (int64_t u = 1; u < ctx; u++) m = sr[u] > m ? sr[u] : m;               \
-                    int64_t u = 0;                                                             \
-                    v8f vsum = {0};                                                            \
-                    for (; u + 8 <= ctx; u += 8) {                                             \
-                        v8f e = exp_nonpositive(load_f32(sr + u) - m);                         \
-                        memcpy(sr + u, &e, sizeof e);                                          \
-                        vsum += e;                                                             \
-                    }                                                                          \
-                    for (; u < ctx; u++) { sr[u] = expf(sr[u] - m); sum += sr[u]; }            \
-                    const float inv = 1.f / (sum + hsum(vsum));                                \
-                    for (u = 0; u < ctx; u++) sr[u] *= inv;                                    \
-                }                                                                              \
+                softmax_rows(scores, nr, max_ctx, ctx);                                        \
                 memset(acc, 0, sizeof(v8f) * (size_t)(nr * dv));                               \
                 for (int64_t u = 0; u < ctx; u++) {                                            \
                     PREFETCH_TOKEN(v_cache, u + 8);                                            \

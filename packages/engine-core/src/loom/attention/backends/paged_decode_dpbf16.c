@@ -135,24 +135,6 @@ static void pv_dp(const bf16_t *v_cache, const int64_t *table, int64_t block_siz
     }
 }
 
-static void softmax_rows(float *scores, int64_t nr, int64_t stride, int64_t ctx) {
-    for (int64_t r = 0; r < nr; r++) {
-        float *sr = scores + r * stride;
-        float m = sr[0], sum = 0.f;
-        for (int64_t u = 1; u < ctx; u++) m = sr[u] > m ? sr[u] : m;
-        int64_t u = 0;
-        v8f vsum = {0};
-        for (; u + 8 <= ctx; u += 8) {
-            v8f e = exp_nonpositive(load_f32(sr + u) - m);
-            memcpy(sr + u, &e, sizeof e);
-            vsum += e;
-        }
-        for (; u < ctx; u++) { sr[u] = expf(sr[u] - m); sum += sr[u]; }
-        const float inv = 1.f / (sum + hsum(vsum));
-        for (u = 0; u < ctx; u++) sr[u] *= inv;
-    }
-}
-
 /* ---- Prefill: consecutive query rows of one request, QB at a time ----
  * Rows b .. b+n-1 of the same request whose contexts grow by one (the tokens of a prefill chunk,
  * each attending to the positions up to its own) share each K and V tile: K's 16 tokens are
