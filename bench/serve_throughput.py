@@ -71,6 +71,7 @@ async def run_load(url: str, model: str, prompts: list[list[int]], output_len: i
             await asyncio.sleep(rng.expovariate(rate))
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - begin
+    await client.close()  # on this loop: left to the garbage collector it closes after the loop is gone
     return {
         "elapsed": elapsed, "req_s": len(prompts) / elapsed, "tok_s": tokens / elapsed,
         "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),

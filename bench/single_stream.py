@@ -119,15 +119,16 @@ def run_loom(model: str | None, quantization: str, dtype: str, output_len: int, 
 async def stream_once(url: str, model: str, output_len: int) -> dict[str, float]:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     stamps: list[float] = []
-    start = time.perf_counter()
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=output_len, temperature=0,
-        stream=True, extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            stamps.append(time.perf_counter())
+    # closed here, on its loop: left to the garbage collector it closes after asyncio.run's loop is gone
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) as client:
+        start = time.perf_counter()
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=output_len, temperature=0,
+            stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                stamps.append(time.perf_counter())
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return dict(ttft=stamps[0] - start, itl_p50=pct(gaps, 50), itl_p99=pct(gaps, 99),
                 tok_s=len(stamps) / (stamps[-1] - start))

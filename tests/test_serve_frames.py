@@ -69,6 +69,8 @@ def test_the_front_end_drops_malformed_frames_and_keeps_serving(tiny_llama, tmp_
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
+        else:
+            pytest.fail("the front end never became healthy: " + log_path.read_text()[-3000:])
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 400 and "impostor engine refuses" in r.json()["error"]["message"], r.text
         proc.send_signal(signal.SIGTERM)

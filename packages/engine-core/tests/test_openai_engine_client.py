@@ -241,3 +241,59 @@ def test_a_stuck_engine_core_makes_adds_wait_off_the_loop_then_refuses_them():
     while len(channel.sent) < 5 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert isinstance(channel.sent[3], AbortRequests) and channel.sent[4].request_id == "4"
+
+
+def test_the_process_connection_reads_on_the_event_loop_and_hears_the_supervisor_go():
+    """Frames are handled on the loop's thread, those read ahead before ``start`` too (CONFIG
+    arrives that way), and a closed supervisor socket ends the engine with a reason."""
+    import socket
+    import threading
+
+    from loom.engine.core_client import ProcCoreConnection
+    from loom.ipc.channel import Channel
+    from loom.ipc.messages import EngineOutputs, EngineReady
+    from loom_supervisor.client import Client
+
+    ours, theirs = socket.socketpair()
+    channel, core = Channel(Client(ours, "frontend"), "frontend"), Channel(Client(theirs, "engine_core"), "engine_core")
+    heard: list[tuple[str, object, int]] = []
+
+    class Listener:
+        kv_cache_tokens = None
+
+        def on_outputs(self, outputs):
+            heard.append(("outputs", outputs, threading.get_ident()))
+
+        def on_engine_ready(self):
+            heard.append(("ready", self.kv_cache_tokens, threading.get_ident()))
+
+        def on_shutdown_requested(self):
+            heard.append(("shutdown", None, threading.get_ident()))
+
+        def on_engine_dead(self, message, *, expected=False):
+            heard.append(("dead", message, threading.get_ident()))
+
+    async def main() -> int:
+        core._conn.send("frontend", "SHUTDOWN")  # a supervisor frame, sent as the supervisor would
+        core.send("frontend", EngineReady(num_blocks=4, block_size=16))
+        assert (await asyncio.to_thread(channel.recv)).kind.value == "SHUTDOWN"  # reads both frames
+        ProcCoreConnection(channel).start(Listener())
+        for _ in range(100):  # nothing more arrives on the socket: the frame read ahead must be heard alone
+            await asyncio.sleep(0.01)
+            if heard:
+                break
+        assert [what for what, _, _ in heard] == ["ready"]
+        core.send("frontend", EngineOutputs())
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if len(heard) == 2 and theirs.fileno() >= 0:
+                theirs.close()
+            if len(heard) == 3:
+                break
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert [(what, thread) for what, _, thread in heard] == [("ready", loop_thread), ("outputs", loop_thread),
+                                                           ("dead", loop_thread)]
+    assert heard[0][1] == 64 and isinstance(heard[1][1], EngineOutputs)
+    assert "the supervisor connection closed (EOFError" in heard[2][1]

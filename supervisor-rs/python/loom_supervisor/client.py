@@ -285,6 +285,22 @@ class Client:
                 self._ready.extend(self._decoder.feed(chunk))
             return self._ready.popleft()
 
+    def recv_nowait(self) -> Frame | None:
+        """The next frame if one has fully arrived, else None, never blocking: for an event
+        loop's reader callback (``loop.add_reader(conn.fileno(), ...)``), which calls it until
+        None. Reads what the socket holds at most once a call. ``EOFError`` when the
+        supervisor closed the connection."""
+        with self._recv_lock:
+            if not self._ready:
+                try:
+                    chunk = self._sock.recv(_RECV_CHUNK, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return None
+                if not chunk:
+                    raise EOFError("the supervisor closed the connection")
+                self._ready.extend(self._decoder.feed(chunk))
+            return self._ready.popleft() if self._ready else None
+
     def hello(self, role: str | None = None, rank: int | None = None, messages_version: int | None = None) -> bytes:
         """Registers this process (HELLO) and returns the body of the CONFIG reply.
 

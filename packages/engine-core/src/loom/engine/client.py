@@ -44,7 +44,8 @@ __all__ = ["CoreConnection", "EngineClient", "EngineDeadError", "EngineError", "
 
 class CoreConnection(abc.ABC):
     """How requests reach an engine loop. ``start(client)`` is called once; from then on the
-    connection reports to the client's ``on_*`` methods from its thread, which runs ``_run``."""
+    connection reports to the client's ``on_*`` methods from its thread, which runs ``_run``
+    (or, for the engine-core process, from the client's event loop)."""
 
     thread_name = "loom-engine-connection"
 
@@ -75,7 +76,7 @@ class _Stream:
 
 class EngineClient:
     """The front end's engine. Its methods run on the event loop, but ``on_*``, which its
-    connection calls from its own thread."""
+    connection may call from its own thread."""
 
     stream_interval: int = 1
     """Tokens per streamed delta at least (``--stream-interval``); the last delta may hold fewer."""
@@ -314,11 +315,18 @@ def _put_all(items: list[tuple[_Stream, Any]]) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
     for stream, item in items:
         by_loop.setdefault(stream.loop, []).append((stream, item))
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
     for loop, batch in by_loop.items():
         def put(batch: list[tuple[_Stream, Any]] = batch) -> None:
             for stream, item in batch:
                 stream.queue.put_nowait(item)
 
+        if loop is running:  # called on that loop (the front end's reader): no wake-up to send
+            put()
+            continue
         try:
             loop.call_soon_threadsafe(put)
         except RuntimeError:  # the loop is closed: nobody is listening any more

@@ -1,8 +1,9 @@
 """The connection of the front end's ``EngineClient`` to the engine-core *process*.
 
-Requests go to ``engine_core`` as ADD_REQUEST/ABORT frames through the supervisor; a
-reader thread takes the frames that come back: OUTPUTS (routed to the request streams),
-ENGINE_READY, SHUTDOWN (drain) and PEER_DIED. When the supervisor reports a dead process
+Requests go to ``engine_core`` as ADD_REQUEST/ABORT frames through the supervisor; the
+front end's event loop reads the frames that come back (a reader on the socket, so a token
+costs the front end one wake-up, not a reader thread's plus the loop's): OUTPUTS (routed to
+the request streams), ENGINE_READY, SHUTDOWN (drain) and PEER_DIED. When the supervisor reports a dead process
 or goes away, every request in flight ends with ``EngineDeadError`` naming the process and
 the cause, and ``/health`` answers 503 from then on.
 
@@ -15,11 +16,12 @@ end keeps answering. Aborts always queue, in order after the request they abort.
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 from typing import Any
 
-from ..ipc.channel import Channel
+from ..ipc.channel import Channel, Message
 from ..ipc.messages import AbortRequests, AddRequest, EngineOutputs, EngineReady, Kind, Shutdown
 from ..logger import init_logger
 from .client import CoreConnection, EngineClient
@@ -72,27 +74,60 @@ class ProcCoreConnection(CoreConnection):
     async def shutdown(self) -> None:
         """Nothing to stop here: the supervisor stops the engine-core process after the front end."""
 
+    def start(self, client: EngineClient) -> None:
+        """Read on the running event loop, the ``on_*`` reports running there too; called
+        without a running loop (or with a supervisor client that cannot read without blocking),
+        on a reader thread of its own (``_run``)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or not self.channel.nonblocking:
+            super().start(client)
+            return
+        self._loop = loop
+        loop.add_reader(self.channel.fileno(), self._readable, client)
+        # Frames that came in with CONFIG are already off the socket: it would never wake us for them.
+        loop.call_soon(self._readable, client)
+
+    def _readable(self, client: EngineClient) -> None:
+        """The loop's reader callback: every message that has arrived, then back to the loop."""
+        try:
+            while (msg := self.channel.recv_nowait()) is not None:
+                self._dispatch(client, msg)
+        except Exception as e:
+            self._loop.remove_reader(self.channel.fileno())
+            self._failed(client, e)
+
     def _run(self, client: EngineClient) -> None:
         try:
             while True:
                 msg = self.channel.recv()
-                if msg is None:
-                    continue
-                body = msg.body
-                if isinstance(body, EngineOutputs):
-                    client.on_outputs(body)
-                elif isinstance(body, EngineReady):
-                    client.kv_cache_tokens = body.num_blocks * body.block_size
-                    client.on_engine_ready()
-                elif msg.kind is Kind.PEER_DIED:
-                    client.on_engine_dead(body.describe() if body is not None else
-                                          "a process of the serve died (its report did not decode; see the log)")
-                elif isinstance(body, Shutdown):
-                    client.on_shutdown_requested()
-                else:
-                    logger.warning("Front end ignored a %s frame from %s", msg.kind.value, msg.src)
-        except (EOFError, OSError) as e:
+                if msg is not None:
+                    self._dispatch(client, msg)
+        except Exception as e:
+            self._failed(client, e)
+
+    @staticmethod
+    def _dispatch(client: EngineClient, msg: Message) -> None:
+        body = msg.body
+        if isinstance(body, EngineOutputs):
+            client.on_outputs(body)
+        elif isinstance(body, EngineReady):
+            client.kv_cache_tokens = body.num_blocks * body.block_size
+            client.on_engine_ready()
+        elif msg.kind is Kind.PEER_DIED:
+            client.on_engine_dead(body.describe() if body is not None else
+                                  "a process of the serve died (its report did not decode; see the log)")
+        elif isinstance(body, Shutdown):
+            client.on_shutdown_requested()
+        else:
+            logger.warning("Front end ignored a %s frame from %s", msg.kind.value, msg.src)
+
+    @staticmethod
+    def _failed(client: EngineClient, e: Exception) -> None:
+        if isinstance(e, (EOFError, OSError)):
             client.on_engine_dead(f"the supervisor connection closed ({type(e).__name__}: {e})")
-        except Exception as e:  # a bug here must not leave the front end waiting on a silent engine
-            logger.exception("The front end's engine reader failed")
+        else:  # a bug here must not leave the front end waiting on a silent engine
+            logger.error("The front end's engine reader failed", exc_info=e)
             client.on_engine_dead(f"the front end's engine reader failed: {type(e).__name__}: {e}")

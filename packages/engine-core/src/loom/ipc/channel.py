@@ -81,23 +81,51 @@ class Channel:
             frame = self._conn.recv(timeout)
             if frame is None:
                 return None
-            try:
-                kind = Kind(frame.kind)
-                if kind is Kind.PEER_DIED:
-                    body: Any = PeerDied.from_frame(frame)
-                elif kind is Kind.SHUTDOWN:
-                    body = Shutdown()
-                else:
-                    body = decode_body(kind, frame.body)
-            except (ValueError, TypeError, KeyError, ProtocolError) as e:
-                # escaped: a peer's text must not forge log lines
-                logger.error("Dropped a %a frame from %a that does not decode: %a", frame.kind, frame.src,
-                             str(e) or f"{type(e).__name__} (not a msgpack body)")
-                if frame.kind != Kind.PEER_DIED.value:
-                    continue
-                body = None  # a process died all the same: the receiver must hear it
-                kind = Kind.PEER_DIED
-            return Message(frame.src, kind, body)
+            msg = _decoded(frame)
+            if msg is not None:
+                return msg
+
+    @property
+    def nonblocking(self) -> bool:
+        """Whether :meth:`recv_nowait` works: the installed supervisor client has it (since 0.1.0 of
+        2026-12-05; an older wheel beside a newer engine reads on a thread instead)."""
+        return hasattr(self._conn, "recv_nowait")
+
+    def recv_nowait(self) -> Message | None:
+        """The next message if one has fully arrived, else None, never blocking (an event loop's
+        reader callback calls it until None; :meth:`fileno` is what to watch). Frames that do
+        not decode are dropped as by :meth:`recv`."""
+        while True:
+            frame = self._conn.recv_nowait()
+            if frame is None:
+                return None
+            msg = _decoded(frame)
+            if msg is not None:
+                return msg
+
+    def fileno(self) -> int:
+        return self._conn.fileno()
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _decoded(frame: client.Frame) -> Message | None:
+    """``frame`` as a message; None (logged) for a frame that does not decode, but a PEER_DIED:
+    a process died all the same, so the receiver hears it, with body None."""
+    try:
+        kind = Kind(frame.kind)
+        if kind is Kind.PEER_DIED:
+            body: Any = PeerDied.from_frame(frame)
+        elif kind is Kind.SHUTDOWN:
+            body = Shutdown()
+        else:
+            body = decode_body(kind, frame.body)
+    except (ValueError, TypeError, KeyError, ProtocolError) as e:
+        # escaped: a peer's text must not forge log lines
+        logger.error("Dropped a %a frame from %a that does not decode: %a", frame.kind, frame.src,
+                     str(e) or f"{type(e).__name__} (not a msgpack body)")
+        if frame.kind != Kind.PEER_DIED.value:
+            return None
+        body, kind = None, Kind.PEER_DIED
+    return Message(frame.src, kind, body)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
@@ -264,3 +265,29 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class TextChunks:
+    """The events of a stream that only add text to a choice: no logprobs, no finish. Those
+    are nearly every event of a stream, one a token, and rendering the chunk's models costs
+    about 6 us against 1 here: ``render(index, text)`` (the full pydantic path) runs once per
+    choice index with a placeholder for the text, and each event splices the JSON-encoded
+    text into that. ``json.dumps(ensure_ascii=False)`` escapes a string exactly as pydantic
+    does (tested byte for byte); if the placeholder cannot be found again, every event is
+    rendered in full."""
+
+    _MARK = "\x00loom:text\x00"
+
+    def __init__(self, render: Callable[[int, str], str]) -> None:
+        self._render = render
+        self._parts: dict[int, tuple[str, str] | None] = {}
+
+    def __call__(self, index: int, text: str) -> str:
+        try:
+            parts = self._parts[index]
+        except KeyError:
+            head, mark, tail = self._render(index, self._MARK).partition(json.dumps(self._MARK, ensure_ascii=False))
+            parts = self._parts[index] = (head, tail) if mark and self._MARK not in tail else None
+        if parts is None:
+            return self._render(index, text)
+        return parts[0] + json.dumps(text, ensure_ascii=False) + parts[1]

@@ -21,6 +21,7 @@ from .protocol import (
     ChatMessage,
     ChatResponseMessage,
     DeltaMessage,
+    TextChunks,
     TokenLogprob,
     TopLogprob,
     UsageInfo,
@@ -135,6 +136,8 @@ class OpenAIServingChat(OpenAIServing):
             return sse(ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
                                            usage=usage))
 
+        text_chunk = TextChunks(lambda i, text: chunk([ChatCompletionStreamChoice(
+            index=i, delta=DeltaMessage(content=text))]))
         for i in range(n):  # the role first, as OpenAI does
             yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
         try:
@@ -144,7 +147,9 @@ class OpenAIServingChat(OpenAIServing):
                     num_logprobs = len(state.logprobs)
                     _update(state, c, top_logprobs, as_ids)
                     new_logprobs = state.logprobs[num_logprobs:]
-                    if c.text or c.finish_reason is not None or new_logprobs:
+                    if top_logprobs is None and c.finish_reason is None and c.text:
+                        yield text_chunk(c.index, c.text)
+                    elif c.text or c.finish_reason is not None or new_logprobs:
                         yield chunk([ChatCompletionStreamChoice(
                             index=c.index, delta=DeltaMessage(content=c.text),
                             logprobs=ChatLogprobs(content=new_logprobs) if top_logprobs is not None else None,

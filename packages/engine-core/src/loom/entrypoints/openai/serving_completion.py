@@ -22,6 +22,7 @@ from .protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    TextChunks,
     UsageInfo,
     sse,
 )
@@ -164,6 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return sse(CompletionChunk(id=request_id, created=created, model=model_name, choices=choices,
                                        usage=usage))
 
+        text_chunk = TextChunks(lambda index, text: chunk([CompletionChoice(index=index, text=text)]))
         try:
             async for i, out in merged:
                 if echo is not None:
@@ -177,7 +179,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         c = _echo(echo, i, state, c, delta_logprobs, as_ids)
                     _update(state, c, delta_logprobs, as_ids)
                     text = "".join(state.text[num_texts:])  # the echoed prompt comes first
-                    if text or c.finish_reason is not None or (delta_logprobs and delta_logprobs.tokens):
+                    if delta_logprobs is None and c.finish_reason is None and text:
+                        yield text_chunk(index, text)
+                    elif text or c.finish_reason is not None or (delta_logprobs and delta_logprobs.tokens):
                         yield chunk([CompletionChoice(index=index, text=text, logprobs=delta_logprobs,
                                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
         except Exception as e:  # the status line is sent: the error goes in the stream
