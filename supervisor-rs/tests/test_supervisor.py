@@ -364,6 +364,26 @@ def test_recv_with_a_timeout_returns_none() -> None:
     conn.close()
 
 
+def test_recv_nowait_never_blocks_and_hands_out_what_arrived() -> None:
+    import socket
+
+    a, b = socket.socketpair()
+    conn = client.Client(a, "frontend")
+    assert conn.recv_nowait() is None
+    two = client.encode("engine_core", "frontend", "X", b"1") + client.encode("engine_core", "frontend", "Y")
+    b.sendall(two[:7])  # half a frame
+    assert conn.recv_nowait() is None
+    b.sendall(two[7:])
+    assert conn.recv_nowait() == client.Frame(1, "engine_core", "frontend", "X", b"1")
+    assert conn.recv_nowait() == client.Frame(1, "engine_core", "frontend", "Y", b"")  # already buffered
+    assert conn.recv_nowait() is None
+    assert a.gettimeout() is None  # the socket stays blocking for send() and recv()
+    b.close()
+    with pytest.raises(EOFError):
+        conn.recv_nowait()
+    conn.close()
+
+
 def test_relay_between_four_children(child: Path, tmp_path: Path) -> None:
     serve = Serve(make_plan(child, "relay", FOUR), tmp_path / "xdg")
     assert serve.finish() == 0, serve.text
