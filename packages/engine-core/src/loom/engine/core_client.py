@@ -3,9 +3,9 @@
 Requests go to ``engine_core`` as ADD_REQUEST/ABORT frames through the supervisor; the
 front end's event loop reads the frames that come back (a reader on the socket, so a token
 costs the front end one wake-up, not a reader thread's plus the loop's): OUTPUTS (routed to
-the request streams), ENGINE_READY, SHUTDOWN (drain) and PEER_DIED. When the supervisor reports a dead process
-or goes away, every request in flight ends with ``EngineDeadError`` naming the process and
-the cause, and ``/health`` answers 503 from then on.
+the request streams), ENGINE_READY, SHUTDOWN (drain) and PEER_DIED. When the supervisor
+reports a dead process or goes away, every request in flight ends with ``EngineDeadError``
+naming the process and the cause, and ``/health`` answers 503 from then on.
 
 Frames are written by a thread of their own, never by the event loop: when the engine core
 stops reading (stopped, or slower than the requests come), the supervisor's outbox fills and

@@ -87,8 +87,8 @@ class Channel:
 
     @property
     def nonblocking(self) -> bool:
-        """Whether :meth:`recv_nowait` works: the installed supervisor client has it (since 0.1.0 of
-        2026-12-05; an older wheel beside a newer engine reads on a thread instead)."""
+        """Whether :meth:`recv_nowait` works: the installed supervisor client has it (a wheel built
+        before 2026-12-05 lacks it; the front end then reads on a thread, as it did then)."""
         return hasattr(self._conn, "recv_nowait")
 
     def recv_nowait(self) -> Message | None:
