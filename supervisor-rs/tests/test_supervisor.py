@@ -378,6 +378,9 @@ def test_recv_nowait_never_blocks_and_hands_out_what_arrived() -> None:
     assert conn.recv_nowait() == client.Frame(1, "engine_core", "frontend", "Y", b"")  # already buffered
     assert conn.recv_nowait() is None
     assert a.gettimeout() is None  # the socket stays blocking for send() and recv()
+    b.sendall(client.encode("engine_core", "frontend", "Z"))
+    assert conn.recv_nowait(read=False) is None  # only what is buffered: nothing
+    assert conn.recv_nowait() == client.Frame(1, "engine_core", "frontend", "Z", b"")
     b.close()
     with pytest.raises(EOFError):
         conn.recv_nowait()

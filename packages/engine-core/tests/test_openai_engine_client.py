@@ -297,3 +297,101 @@ def test_the_process_connection_reads_on_the_event_loop_and_hears_the_supervisor
                                                            ("dead", loop_thread)]
     assert heard[0][1] == 64 and isinstance(heard[1][1], EngineOutputs)
     assert "the supervisor connection closed (EOFError" in heard[2][1]
+
+
+def test_the_process_connection_reads_on_a_thread_without_a_loop_or_a_nonblocking_client():
+    """No running loop, or a supervisor client built before ``recv_nowait``: a reader thread."""
+    from loom.engine.core_client import ProcCoreConnection
+    from loom_supervisor.client import Client
+
+    class OldClient:  # what an older wheel's Client offers
+        def __init__(self, sock):
+            new = Client(sock, "frontend")
+            self.recv, self.send, self.fileno = new.recv, new.send, new.fileno
+
+    assert _reader_thread(lambda sock: Client(sock, "frontend"), on_loop=False) == ProcCoreConnection.thread_name
+    assert _reader_thread(OldClient, on_loop=True) == ProcCoreConnection.thread_name
+
+
+def _reader_thread(make_client, on_loop: bool) -> str:
+    """The name of the thread an ENGINE_READY is heard on, the connection started with or without a loop."""
+    import socket
+    import threading
+
+    from loom.engine.core_client import ProcCoreConnection
+    from loom.ipc.channel import Channel
+    from loom.ipc.messages import EngineReady
+    from loom_supervisor.client import Client
+
+    ours, theirs = socket.socketpair()
+    channel = Channel(make_client(ours), "frontend")
+    heard = threading.Event()
+    threads: list[str] = []
+
+    class Listener:
+        kv_cache_tokens = None
+
+        def on_engine_ready(self):
+            threads.append(threading.current_thread().name)
+            heard.set()
+
+        def on_engine_dead(self, message, *, expected=False):  # at the end: the socket closes
+            pass
+
+    async def start() -> None:
+        ProcCoreConnection(channel).start(Listener())
+
+    if on_loop:
+        assert not channel.nonblocking
+        asyncio.run(start())  # a running loop, but nothing to read on it without blocking
+    else:
+        ProcCoreConnection(channel).start(Listener())
+    Channel(Client(theirs, "engine_core"), "engine_core").send("frontend", EngineReady(num_blocks=1, block_size=16))
+    assert heard.wait(10)
+    theirs.close()
+    return threads[0]
+
+
+def test_a_slow_log_never_blocks_record_and_reports_keep_their_order():
+    """``record()`` may run on the event loop: while a logger's ``log()`` holds the loggers, the
+    report waits and is passed on, in order, before the next ``log()``; never two at once."""
+    import threading
+
+    from loom.stats import EngineStats
+
+    inside = threading.Lock()
+    logging_now, release = threading.Event(), threading.Event()
+
+    class Slow(Recorder):
+        def record(self, stats) -> None:
+            assert inside.acquire(blocking=False), "record() beside log()"
+            super().record(stats)
+            inside.release()
+
+        def log(self) -> None:
+            assert inside.acquire(blocking=False), "log() beside record()"
+            super().log()
+            logging_now.set()
+            release.wait(10)
+            inside.release()
+
+    slow = Slow()
+    client = make_client(stat_loggers=[slow], log_stats_interval=3600)  # only the last log(), below
+    stats = [EngineStats(num_running=i, num_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0,
+                         num_prompt_tokens=0, num_generation_tokens=i, num_preemptions=0) for i in range(6)]
+    client._record_stats(stats[0])
+    assert slow.stats == stats[:1]  # the lock is free: at once
+    client._stats_wake.set()  # the stats thread's last log(), as at shutdown
+    assert logging_now.wait(10)  # the stats thread is inside log() now, holding the loggers
+    started = time.monotonic()
+    for s in stats[1:5]:
+        client._record_stats(s)
+    assert time.monotonic() - started < 1  # nothing waited for log()
+    assert slow.stats == stats[:1]
+    release.set()
+    client._stats_thread.join(10)
+    assert not client._stats_thread.is_alive()
+    assert slow.stats == stats[:5]  # passed on by the stats thread after its last log(), in order
+    client._record_stats(stats[5])
+    assert slow.stats == stats and slow.logs == 1
+    asyncio.run(client.shutdown())

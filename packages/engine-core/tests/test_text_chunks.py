@@ -56,3 +56,14 @@ def test_a_render_without_the_placeholder_is_used_for_every_event():
     chunks = TextChunks(render)
     assert chunks(0, "ab") == 'data: "AB"\n\n' and chunks(0, "c") == 'data: "C"\n\n'
     assert calls == [TextChunks._MARK, "ab", "c"]
+
+
+def test_a_field_equal_to_the_placeholder_makes_every_event_rendered_in_full():
+    def render(index: int, text: str) -> str:  # a served model name that is the placeholder itself
+        return sse(ChatCompletionChunk(id="c", created=1, model=TextChunks._MARK, choices=[
+            ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=text))]))
+
+    chunks = TextChunks(render)
+    for text in ["a", "", TextChunks._MARK]:
+        assert chunks(0, text) == render(0, text)
+    assert chunks._parts == {0: None}

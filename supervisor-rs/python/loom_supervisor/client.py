@@ -285,13 +285,14 @@ class Client:
                 self._ready.extend(self._decoder.feed(chunk))
             return self._ready.popleft()
 
-    def recv_nowait(self) -> Frame | None:
+    def recv_nowait(self, read: bool = True) -> Frame | None:
         """The next frame if one has fully arrived, else None, never blocking: for an event
-        loop's reader callback (``loop.add_reader(conn.fileno(), ...)``), which calls it until
-        None. Reads what the socket holds at most once a call. ``EOFError`` when the
-        supervisor closed the connection."""
+        loop's reader callback (``loop.add_reader(conn.fileno(), ...)``). With nothing buffered
+        it reads what the socket holds, once (``read=False``: not at all, so a callback can take
+        one read's frames and give the loop a turn). ``EOFError`` when the supervisor closed the
+        connection."""
         with self._recv_lock:
-            if not self._ready:
+            if not self._ready and read:
                 try:
                     chunk = self._sock.recv(_RECV_CHUNK, socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):

@@ -21,6 +21,7 @@ import abc
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -75,8 +76,9 @@ class _Stream:
 
 
 class EngineClient:
-    """The front end's engine. Its methods run on the event loop, but ``on_*``, which its
-    connection may call from its own thread."""
+    """The front end's engine. Its methods run on the event loop, and ``on_*`` too where the
+    connection reads there (the engine-core process's); the in-process one calls them from its
+    thread."""
 
     stream_interval: int = 1
     """Tokens per streamed delta at least (``--stream-interval``); the last delta may hold fewer."""
@@ -108,7 +110,8 @@ class EngineClient:
         self._dead_error: str | None = None
         self._stats: EngineStats | None = None
         self._stats_seq = 0  # reports recorded; the stats thread logs when it moved
-        self._loggers_lock = threading.Lock()  # record() on the connection's thread, log() on the stats thread
+        self._loggers_lock = threading.Lock()  # record() on the connection's side, log() on the stats thread
+        self._records: deque[EngineStats] = deque()  # reports not yet record()ed (the lock was busy)
         self._stats_wake = threading.Event()
         self._stats_thread = threading.Thread(target=self._log_stats_loop, name="loom-stats", daemon=True)
         self._stats_thread.start()
@@ -238,7 +241,7 @@ class EngineClient:
             final = RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], outputs=[], finished=True)
             _put_all([(stream, final)])
 
-    # ---- reports from the connection's thread --------------------------------------------
+    # ---- reports from the connection (its thread, or the event loop) -----------------------
     def on_outputs(self, outputs: EngineOutputs) -> None:
         if outputs.stats is not None:
             self._record_stats(outputs.stats)
@@ -255,7 +258,7 @@ class EngineClient:
                 if stream is not None:
                     exc = ValueError(err.message) if err.status < 500 else RequestFailedError(err.message)
                     items.append((stream, exc))
-        _put_all(items)
+        _put_all(items, direct=True)
 
     def on_engine_ready(self) -> None:
         self._engine_ready = True
@@ -280,9 +283,22 @@ class EngineClient:
 
     # ---- stat loggers ---------------------------------------------------------------------
     def _record_stats(self, stats: EngineStats) -> None:
+        """Hand ``stats`` to the loggers' ``record()``, never waiting: it may run on the event loop,
+        and a logger's ``log()`` on the stats thread may hold the lock for as long as it likes.
+        Then the report waits in ``_records``, and whoever holds the lock next passes it on, in order."""
         self._stats = stats
         self._stats_seq += 1
-        self._call_loggers("record", stats)
+        self._records.append(stats)
+        if self._loggers_lock.acquire(blocking=False):
+            try:
+                self._pass_records()
+            finally:
+                self._loggers_lock.release()
+
+    def _pass_records(self) -> None:
+        """``record()`` every waiting report, oldest first (``_loggers_lock`` held)."""
+        while self._records:
+            self._call_loggers_locked("record", self._records.popleft())
 
     def _log_stats_loop(self) -> None:
         """One ``log()`` per interval while reports come in, and a last one at shutdown."""
@@ -295,30 +311,46 @@ class EngineClient:
             if stopping:
                 return
 
-    def _call_loggers(self, method: str, *args: Any) -> None:
-        with self._loggers_lock:  # a logger is never called from two threads at once
-            for stat_logger in list(self.stat_loggers):
-                fn = getattr(stat_logger, method, None)
-                if fn is None:
-                    continue
-                try:
-                    fn(*args)
-                except Exception:
-                    # A broken logger must not stop serving; it is dropped, loudly.
-                    logger.exception("Stat logger %s raised in %s(); it is disabled",
-                                     type(stat_logger).__name__, method)
-                    self.stat_loggers.remove(stat_logger)
+    def _call_loggers(self, method: str) -> None:
+        """``method()`` of every logger, then the reports that came in meanwhile (on the stats thread)."""
+        while True:
+            with self._loggers_lock:  # a logger is never called from two threads at once
+                self._pass_records()  # what came before this log() is recorded before it
+                if method:
+                    self._call_loggers_locked(method)
+                    method = ""
+            # A report that came during log() found the lock held: it is passed on here.
+            if not self._records:
+                return
+
+    def _call_loggers_locked(self, method: str, *args: Any) -> None:
+        for stat_logger in list(self.stat_loggers):
+            fn = getattr(stat_logger, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(*args)
+            except Exception:
+                # A broken logger must not stop serving; it is dropped, loudly.
+                logger.exception("Stat logger %s raised in %s(); it is disabled",
+                                 type(stat_logger).__name__, method)
+                self.stat_loggers.remove(stat_logger)
 
 
-def _put_all(items: list[tuple[_Stream, Any]]) -> None:
-    """Put each item on its stream's queue, one loop callback per event loop."""
+def _put_all(items: list[tuple[_Stream, Any]], *, direct: bool = False) -> None:
+    """Put each item on its stream's queue, one loop callback per event loop; ``direct``: put
+    at once where this runs on the stream's loop (the engine-core process's reports, read on
+    the loop). The other puts keep the order of the loop's callbacks, among them the
+    in-process engine thread's reports."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
     for stream, item in items:
         by_loop.setdefault(stream.loop, []).append((stream, item))
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
+    running = None
+    if direct:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            pass
     for loop, batch in by_loop.items():
         def put(batch: list[tuple[_Stream, Any]] = batch) -> None:
             for stream, item in batch:

@@ -63,7 +63,7 @@ class ProcCoreConnection(CoreConnection):
             try:
                 self.channel.send("engine_core", msg)
             except OSError:
-                return  # the supervisor is gone; the reader thread reports it
+                return  # the supervisor is gone; the reader reports it
             except Exception:  # a message that does not encode: a bug; its request never gets an answer
                 logger.exception("The front end could not send a %s", type(msg).__name__)
             finally:
@@ -85,21 +85,27 @@ class ProcCoreConnection(CoreConnection):
         if loop is None or not self.channel.nonblocking:
             super().start(client)
             return
-        self._loop = loop
-        loop.add_reader(self.channel.fileno(), self._readable, client)
+        self._loop, self._fd = loop, self.channel.fileno()
+        loop.add_reader(self._fd, self._readable, client)
         # Frames that came in with CONFIG are already off the socket: it would never wake us for them.
         loop.call_soon(self._readable, client)
 
     def _readable(self, client: EngineClient) -> None:
-        """The loop's reader callback: every message that has arrived, then back to the loop."""
+        """The loop's reader callback: the frames of one read of the socket (or those already
+        buffered), then back to the loop, which calls again while the socket has more."""
         try:
-            while (msg := self.channel.recv_nowait()) is not None:
+            msg = self.channel.recv_nowait()
+            while msg is not None:
                 self._dispatch(client, msg)
+                msg = self.channel.recv_nowait(read=False)
         except Exception as e:
-            self._loop.remove_reader(self.channel.fileno())
-            self._failed(client, e)
+            try:
+                self._loop.remove_reader(self._fd)
+            finally:
+                self._failed(client, e)
 
     def _run(self, client: EngineClient) -> None:
+        """The reader thread, where ``start`` found no running loop or an older supervisor client."""
         try:
             while True:
                 msg = self.channel.recv()

@@ -91,12 +91,13 @@ class Channel:
         before 2026-12-05 lacks it; the front end then reads on a thread, as it did then)."""
         return hasattr(self._conn, "recv_nowait")
 
-    def recv_nowait(self) -> Message | None:
-        """The next message if one has fully arrived, else None, never blocking (an event loop's
-        reader callback calls it until None; :meth:`fileno` is what to watch). Frames that do
-        not decode are dropped as by :meth:`recv`."""
+    def recv_nowait(self, read: bool = True) -> Message | None:
+        """The next message if one has fully arrived, else None, never blocking (for an event
+        loop's reader; :meth:`fileno` is what to watch). With nothing buffered it reads the
+        socket once, or with ``read=False`` not at all. Frames that do not decode are dropped
+        as by :meth:`recv`."""
         while True:
-            frame = self._conn.recv_nowait()
+            frame = self._conn.recv_nowait(read)
             if frame is None:
                 return None
             msg = _decoded(frame)

@@ -286,8 +286,10 @@ class TextChunks:
         try:
             parts = self._parts[index]
         except KeyError:
-            head, mark, tail = self._render(index, self._MARK).partition(json.dumps(self._MARK, ensure_ascii=False))
-            parts = self._parts[index] = (head, tail) if mark and self._MARK not in tail else None
+            mark = json.dumps(self._MARK, ensure_ascii=False)
+            head, found, tail = self._render(index, self._MARK).partition(mark)
+            # exactly once: a field before the text that equals the placeholder would misplace it
+            parts = self._parts[index] = (head, tail) if found and mark not in tail else None
         if parts is None:
             return self._render(index, text)
         return parts[0] + json.dumps(text, ensure_ascii=False) + parts[1]
