@@ -313,15 +313,12 @@ class EngineClient:
 
     def _call_loggers(self, method: str) -> None:
         """``method()`` of every logger, then the reports that came in meanwhile (on the stats thread)."""
-        while True:
-            with self._loggers_lock:  # a logger is never called from two threads at once
-                self._pass_records()  # what came before this log() is recorded before it
-                if method:
-                    self._call_loggers_locked(method)
-                    method = ""
-            # A report that came during log() found the lock held: it is passed on here.
-            if not self._records:
-                return
+        with self._loggers_lock:  # a logger is never called from two threads at once
+            self._pass_records()  # what came before this log() is recorded before it
+            self._call_loggers_locked(method)
+        while self._records:  # reports that came during log() found the lock held
+            with self._loggers_lock:
+                self._pass_records()
 
     def _call_loggers_locked(self, method: str, *args: Any) -> None:
         for stat_logger in list(self.stat_loggers):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,13 +78,7 @@ class Channel:
         A frame whose kind is unknown or whose body does not decode is logged and dropped:
         one bad frame must not take the process down (a PEER_DIED still arrives, with body None).
         """
-        while True:
-            frame = self._conn.recv(timeout)
-            if frame is None:
-                return None
-            msg = _decoded(frame)
-            if msg is not None:
-                return msg
+        return _first_message(lambda: self._conn.recv(timeout))
 
     @property
     def nonblocking(self) -> bool:
@@ -96,19 +91,22 @@ class Channel:
         loop's reader; :meth:`fileno` is what to watch). With nothing buffered it reads the
         socket once, or with ``read=False`` not at all. Frames that do not decode are dropped
         as by :meth:`recv`."""
-        while True:
-            frame = self._conn.recv_nowait(read)
-            if frame is None:
-                return None
-            msg = _decoded(frame)
-            if msg is not None:
-                return msg
+        return _first_message(lambda: self._conn.recv_nowait(read))
 
     def fileno(self) -> int:
         return self._conn.fileno()
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _first_message(next_frame: Callable[[], client.Frame | None]) -> Message | None:
+    """The first frame from ``next_frame`` that decodes, as a message; None when it gives None."""
+    while (frame := next_frame()) is not None:
+        msg = _decoded(frame)
+        if msg is not None:
+            return msg
+    return None
 
 
 def _decoded(frame: client.Frame) -> Message | None:
