@@ -91,6 +91,7 @@ typedef struct {
     void *out;
     int64_t os;
     int bf16;
+    int S_last, P_last, NR_last; /* the last superblock's groups, lanes and registers (the others 16, 16, 8) */
 } qa_args;
 
 /* the scales of OB outputs' superblock sb as (s, zz) vectors, lanes past S zero */
@@ -109,12 +110,13 @@ static inline void qa_scales(const qa_args *a, int bits, int64_t o, int64_t sb, 
     }
 }
 
-/* OB outputs from o (weight rows q + o * kb, ...) times R rows into res[oo * R + r]; BITS 4 or 8.
+/* OB outputs from o (weight rows q + o * kb, ...) times R rows into res[oo * R + r] (sixteen
+ * partial sums an output, added by the caller); BITS 4 or 8.
  * A superblock's bytes: 64 a register (8-bit), 64 a pair of registers (4-bit, register 2p in
  * the low nibbles, 2p + 1 in the high); a lone register (P <= 2) of 4-bit codes is 32 bytes,
  * its bytes 0..31 in the low nibbles and 32..63 in the high. */
 #define QA_TILE(NAME, BITS, R, OB)                                                                 \
-static void NAME(const qa_args *a, int64_t o, float *res) {                                        \
+static void NAME(const qa_args *a, int64_t o, __m512 *res) {                                       \
     __m512 acc[OB][R];                                                                             \
     for (int oo = 0; oo < OB; oo++)                                                                \
         for (int r = 0; r < R; r++) acc[oo][r] = _mm512_setzero_ps();                              \
@@ -122,8 +124,8 @@ static void NAME(const qa_args *a, int64_t o, float *res) {                     
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);   \
     const uint8_t *qo = a->q + o * a->kb;                                                          \
     for (int64_t sb = 0; sb < a->nsb; sb++) {                                                      \
-        const int64_t S = a->ng - sb * QA_SB < QA_SB ? a->ng - sb * QA_SB : QA_SB;                 \
-        const int P = qa_lanes(S), NR = 8 / qa_fold(P);                                            \
+        const int last = sb == a->nsb - 1;                                                         \
+        const int S = last ? a->S_last : QA_SB, P = last ? a->P_last : QA_SB, NR = last ? a->NR_last : 8; \
         const __mmask16 ks = (__mmask16)((1u << S) - 1);                                           \
         const uint8_t *qs = qo + sb * QA_SB * 32 * BITS / 8;                                       \
         const int8_t *xs = a->xq + sb * QA_XQ_BYTES;                                               \
@@ -186,25 +188,58 @@ static void NAME(const qa_args *a, int64_t o, float *res) {                     
         }                                                                                          \
     }                                                                                              \
     for (int oo = 0; oo < OB; oo++)                                                                \
-        for (int r = 0; r < R; r++) res[oo * R + r] = _mm512_reduce_add_ps(acc[oo][r]);            \
+        for (int r = 0; r < R; r++) res[oo * R + r] = acc[oo][r];                                  \
 }
 
-/* outputs [o0, o1): OB at a time, then one at a time. One row takes one output at a time: the
+/* the sums of sixteen vectors v[0], v[stride], ..., v[15 * stride], in that order, each added as
+ * _mm512_reduce_add_ps adds one vector (halves, quarters, then pairs two and one apart: the same
+ * result to the bit), with about a third of its instructions: a transpose and add in four levels */
+static inline __m512 qa_sum16(const __m512 *v, int stride) {
+    __m512 c[8], g[4], p[2];
+    for (int i = 0; i < 8; i++) { /* element j + 8: outputs 2i (lanes 0, 1) and 2i + 1 (2, 3) */
+        const __m512 a = v[2 * i * stride], b = v[(2 * i + 1) * stride];
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int k = 0; k < 4; k++) /* element j + 4: lane l of 128 bits is output 4k + l */
+        g[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int m = 0; m < 2; m++) /* element j + 2: lane l is [8m + l, 8m + 4 + l, the same] */
+        p[m] = _mm512_add_ps(_mm512_unpacklo_ps(g[2 * m], g[2 * m + 1]), _mm512_unpackhi_ps(g[2 * m], g[2 * m + 1]));
+    /* element j + 1: lane l is outputs l, 4 + l, 8 + l, 12 + l; put in order */
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(p[0], p[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), y);
+}
+
+/* outputs [o0, o1) in blocks of sixteen: OB at a time, then one at a time, their partial sums
+ * added sixteen outputs a vector and stored as one. One row takes one output at a time: the
  * codes stream from memory in order (four outputs' rows at once measured up to twice as slow,
  * cold, on the machine of the README); more rows share each load of the codes between them. */
 #define QA_RANGE(BITS, R, OB)                                                                      \
 QA_TILE(qa_tile##BITS##_##R, BITS, R, OB) QA_TILE(qa_tail##BITS##_##R, BITS, R, 1)                 \
 static void qa_range##BITS##_##R(const qa_args *a, int64_t o0, int64_t o1) {                       \
-    float res[OB * R];                                                                             \
-    for (int64_t o = o0; o < o1;) {                                                                \
-        const int ob = o + OB <= o1 ? OB : 1;                                                      \
-        (ob == OB ? qa_tile##BITS##_##R : qa_tail##BITS##_##R)(a, o, res);                         \
-        for (int oo = 0; oo < ob; oo++)                                                            \
-            for (int r = 0; r < R; r++) {                                                          \
-                if (a->bf16) ((bf16_t *)a->out)[r * a->os + o + oo] = to_bf16(res[oo * R + r]);    \
-                else ((float *)a->out)[r * a->os + o + oo] = res[oo * R + r];                      \
+    __m512 v[16 * R]; /* output ob + i, row r: v[i * R + r] */                                     \
+    for (int64_t ob = o0; ob < o1; ob += 16) {                                                     \
+        const int64_t n = o1 - ob < 16 ? o1 - ob : 16;                                             \
+        for (int64_t o = ob; o < ob + n;) {                                                        \
+            const int k = o + OB <= ob + n ? OB : 1;                                               \
+            (k == OB ? qa_tile##BITS##_##R : qa_tail##BITS##_##R)(a, o, v + (o - ob) * R);         \
+            o += k;                                                                                \
+        }                                                                                          \
+        for (int r = 0; r < R; r++) {                                                              \
+            if (n == 16) {                                                                         \
+                const __m512 y = qa_sum16(v + r, R);                                               \
+                if (a->bf16) store16_bf16((bf16_t *)a->out + r * a->os + ob, (v16f)y);             \
+                else _mm512_storeu_ps((float *)a->out + r * a->os + ob, y);                        \
+                continue;                                                                          \
             }                                                                                      \
-        o += ob;                                                                                   \
+            for (int64_t i = 0; i < n; i++) {                                                      \
+                const float y = _mm512_reduce_add_ps(v[i * R + r]);                                \
+                if (a->bf16) ((bf16_t *)a->out)[r * a->os + ob + i] = to_bf16(y);                  \
+                else ((float *)a->out)[r * a->os + ob + i] = y;                                    \
+            }                                                                                      \
+        }                                                                                          \
     }                                                                                              \
 }
 #define QA_RANGES(BITS)                                                                            \
@@ -217,7 +252,7 @@ QA_RANGES(4)
 QA_RANGES(8)
 
 /* x quantized once (by the calling thread), then the outputs split across threads in
- * contiguous slices of whole 8s, as q4_run; a small weight on the calling thread alone */
+ * contiguous slices of whole 16s (qa_range's blocks); a small weight on the calling thread alone */
 /* bytes a weight row of K codes takes in layout 1 */
 static int64_t qa_row_bytes(int bits, int64_t K) {
     const int64_t ng = K / 32, S = ng % QA_SB;
@@ -238,12 +273,14 @@ static int qa_run(int bits, const void *x, int xbf16, int64_t xs, qa_args *a, in
     if (xbf16) qa_quantize_bf16(x, xs, a->rows, a->K, xq, dx, X);
     else qa_quantize_f32(x, xs, a->rows, a->K, xq, dx, X);
     a->xq = xq, a->dx = dx, a->X = X, a->ng = ng, a->nsb = nsb, a->kb = qa_row_bytes(bits, a->K);
+    a->S_last = (int)(ng - (nsb - 1) * QA_SB), a->P_last = qa_lanes(a->S_last);
+    a->NR_last = 8 / qa_fold(a->P_last);
     void (*range)(const qa_args *, int64_t, int64_t) = (bits == 4 ? qa_ranges4 : qa_ranges8)[a->rows - 1];
     if (N * a->K < Q4_SERIAL_WEIGHTS) nthreads = 1;
     _Pragma("omp parallel num_threads(nthreads)")
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t per = ((N + nt - 1) / nt + 7) / 8 * 8;
+        const int64_t per = ((N + nt - 1) / nt + 15) / 16 * 16;
         const int64_t o0 = t * per < N ? t * per : N, o1 = o0 + per < N ? o0 + per : N;
         if (o0 < o1) range(a, o0, o1);
     }
