@@ -5,11 +5,14 @@ how close decoding comes to reading the weights once per token at this machine's
     python bench/single_stream.py --quantization gguf none --serve
     python bench/single_stream.py --model path/to/model.gguf --prompt-len 1000
     python bench/single_stream.py --quantization gguf --serve --runs 5   # ratios' spread over 5 runs
+    python bench/single_stream.py --quantization gguf --context 1500     # also decode after 1,500 tokens
 
 For each ``--quantization``: ``loom.LLM`` on the chat question (the model's chat template),
 ``--output-len`` tokens, greedy, EOS suppressed; every engine step is timed, so the decode
 steps are the inter-token latencies. Time to first token is measured on a fresh prompt of
-``--prompt-len`` token ids (no prefix-cache hit). The bound: the bytes of the weights one
+``--prompt-len`` token ids (no prefix-cache hit). ``--context N`` adds a row per engine: decode
+speed (steps after the first) on a fresh prompt of N token ids, where attention reads as much
+as a large part of the weights (a long chat). The bound: the bytes of the weights one
 decode step reads (every linear layer as loom holds it, the LM head, one embedding row),
 over the read bandwidth of a 1 GiB ``torch`` sum measured in the same run.
 
@@ -80,10 +83,18 @@ def chat_prompt(llm: Any) -> list[int]:
     return list(tok(text)["input_ids"])
 
 
-def run_loom(model: str | None, quantization: str, dtype: str, output_len: int, prompt_len: int) -> dict[str, Any]:
+def random_prompt(n: int, vocab: int) -> list[int]:
+    """n token ids drawn the same way for every engine (a fresh prompt: no prefix-cache hit)."""
+    g = torch.Generator().manual_seed(n)
+    return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
+
+
+def run_loom(model: str | None, quantization: str, dtype: str, output_len: int, prompt_len: int,
+             context: int = 0) -> dict[str, Any]:
     from loom import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, quantization=quantization, max_model_len=max(2048, prompt_len + 64))
+    llm = LLM(model, dtype=dtype, quantization=quantization,
+              max_model_len=max(2048, prompt_len + 64, context + output_len + 16))
     runner = llm.llm_engine.executor.worker.model_runner
     prompt = chat_prompt(llm)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -101,17 +112,20 @@ def run_loom(model: str | None, quantization: str, dtype: str, output_len: int, 
     start = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": prompt}], params)
     elapsed = time.perf_counter() - start
-    core.step = step  # type: ignore[method-assign]
     n = len(out[0].outputs[0].token_ids)
     itl = times[1:n]  # the first step prefills (a prefix-cache hit here: the warm-up asked the same)
     vocab = runner.model.config.vocab_size
-    g = torch.Generator().manual_seed(prompt_len)
-    long_prompt = torch.randint(100, vocab - 100, (prompt_len,), generator=g).tolist()
     t = time.perf_counter()
-    llm.generate([{"prompt_token_ids": long_prompt}], SamplingParams(temperature=0, max_tokens=1))
+    llm.generate([{"prompt_token_ids": random_prompt(prompt_len, vocab)}], SamplingParams(temperature=0, max_tokens=1))
     ttft = time.perf_counter() - t
     result = dict(tok_s=n / elapsed, itl_p50=pct(itl, 50), itl_p99=pct(itl, 99), ttft=ttft,
                   weight_bytes=weight_bytes_per_token(runner.model), text=out[0].outputs[0].text)
+    if context:
+        times.clear()
+        out = llm.generate([{"prompt_token_ids": random_prompt(context, vocab)}], params)
+        steps = times[1:len(out[0].outputs[0].token_ids)]  # after the prefill step
+        result.update(ctx_tok_s=len(steps) / sum(steps), ctx_itl_p50=pct(steps, 50), ctx_itl_p99=pct(steps, 99))
+    core.step = step  # type: ignore[method-assign]
     llm.shutdown()
     return result
 
@@ -146,13 +160,14 @@ def run_served(model: str | None, quantization: str, dtype: str, output_len: int
         stop(proc)
 
 
-def run_llama_cpp(path: str, output_len: int, prompt_len: int) -> dict[str, float] | None:
+def run_llama_cpp(path: str, output_len: int, prompt_len: int, context: int = 0) -> dict[str, float] | None:
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
     threads = len(os.sched_getaffinity(0))
-    llm = Llama(model_path=path, n_ctx=max(2048, prompt_len + 64), n_threads=threads, n_threads_batch=threads,
+    llm = Llama(model_path=path, n_ctx=max(2048, prompt_len + 64, context + output_len + 16), n_threads=threads,
+                n_threads_batch=threads,
                 n_batch=512, verbose=False)
     eos = llm.token_eos()
     messages = [{"role": "user", "content": QUESTION}]
@@ -165,13 +180,21 @@ def run_llama_cpp(path: str, output_len: int, prompt_len: int) -> dict[str, floa
             stamps.append(time.perf_counter())
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     llm.reset()
-    g = torch.Generator().manual_seed(prompt_len)
-    long_prompt = torch.randint(100, llm.n_vocab() - 100, (prompt_len,), generator=g).tolist()
     t = time.perf_counter()
-    llm.create_completion(long_prompt, max_tokens=1, temperature=0)
+    llm.create_completion(random_prompt(prompt_len, llm.n_vocab()), max_tokens=1, temperature=0)
     ttft = time.perf_counter() - t
-    return dict(tok_s=len(stamps) / (stamps[-1] - start), itl_p50=pct(gaps, 50), itl_p99=pct(gaps, 99), ttft=ttft,
-                tokens=len(stamps))
+    result = dict(tok_s=len(stamps) / (stamps[-1] - start), itl_p50=pct(gaps, 50), itl_p99=pct(gaps, 99),
+                  ttft=ttft, tokens=len(stamps))
+    if context:
+        llm.reset()
+        stamps.clear()
+        for chunk in llm.create_completion(random_prompt(context, llm.n_vocab()), max_tokens=output_len,
+                                           temperature=0, stream=True, logit_bias={eos: -1e9}):
+            if chunk["choices"][0]["text"]:
+                stamps.append(time.perf_counter())
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]  # after the first token (the prefill)
+        result.update(ctx_tok_s=len(gaps) / sum(gaps), ctx_itl_p50=pct(gaps, 50), ctx_itl_p99=pct(gaps, 99))
+    return result
 
 
 def main() -> None:
@@ -181,6 +204,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=1000, help="prompt tokens for the TTFT figure")
+    parser.add_argument("--context", type=int, default=0,
+                        help="also decode --output-len tokens after a prompt of this many tokens (a long chat)")
     parser.add_argument("--serve", action="store_true", help="also stream through loom serve (OpenAI client)")
     parser.add_argument("--runs", type=int, default=1,
                         help="repeat the whole table this many times (the machine's speed drifts: each run's "
@@ -201,27 +226,34 @@ def main() -> None:
             bandwidth = read_bandwidth()
             tok_s: dict[str, float] = {}
             for q in args.quantization:
-                r = run_loom(args.model, q, args.dtype, args.output_len, args.prompt_len)
+                r = run_loom(args.model, q, args.dtype, args.output_len, args.prompt_len, args.context)
                 bound = bandwidth / r["weight_bytes"]
                 tok_s[f"loom offline, {q}"] = r["tok_s"]
                 print(f"| {run} | loom offline | {q} | {r['tok_s']:.1f} | {r['itl_p50'] * 1e3:.1f} / "
                       f"{r['itl_p99'] * 1e3:.1f} | {r['ttft']:.2f} | {r['weight_bytes'] / 1e6:.0f} MB | "
                       f"{bound:.0f} ({bandwidth / 1e9:.0f} GB/s) | {r['tok_s'] / bound:.0%} |", flush=True)
+                if args.context:
+                    tok_s[f"loom offline, {q}, {args.context} tokens of context"] = r["ctx_tok_s"]
+                    print(f"| {run} | loom offline, {args.context} context | {q} | {r['ctx_tok_s']:.1f} | "
+                          f"{r['ctx_itl_p50'] * 1e3:.1f} / {r['ctx_itl_p99'] * 1e3:.1f} | | | | |", flush=True)
                 if args.serve:
                     s = run_served(args.model, q, args.dtype, args.output_len, root)
                     tok_s[f"loom serve, {q}"] = s["tok_s"]
                     print(f"| {run} | loom serve (client) | {q} | {s['tok_s']:.1f} | {s['itl_p50'] * 1e3:.1f} / "
                           f"{s['itl_p99'] * 1e3:.1f} | {s['ttft']:.2f} (chat prompt) | | | "
                           f"{1 / s['itl_p50'] / bound:.0%} (p50) |", flush=True)
-            peer = run_llama_cpp(path, args.output_len, args.prompt_len) if fmt == "gguf" else None
+            peer = run_llama_cpp(path, args.output_len, args.prompt_len, args.context) if fmt == "gguf" else None
             if peer is None:
                 print(f"| {run} | llama.cpp | not run: llama_cpp does not import (or the model is not GGUF) "
                       "| | | | | | |")
                 continue
             print(f"| {run} | llama.cpp | as stored | {peer['tok_s']:.1f} | {peer['itl_p50'] * 1e3:.1f} / "
                   f"{peer['itl_p99'] * 1e3:.1f} | {peer['ttft']:.2f} | | | |", flush=True)
+            if args.context:
+                print(f"| {run} | llama.cpp, {args.context} context | as stored | {peer['ctx_tok_s']:.1f} | "
+                      f"{peer['ctx_itl_p50'] * 1e3:.1f} / {peer['ctx_itl_p99'] * 1e3:.1f} | | | | |", flush=True)
             for name, value in tok_s.items():
-                ratios.setdefault(name, []).append(value / peer["tok_s"])
+                ratios.setdefault(name, []).append(value / peer["ctx_tok_s" if "context" in name else "tok_s"])
     if ratios:
         print("\n| loom / llama.cpp, tok/s in the same run | each run | min | median | max |\n|---|---|---|---|---|")
         for name, values in ratios.items():

@@ -251,6 +251,45 @@ def test_bf16_fast_kernel_against_portable_and_torch(kernel, heads, kv_heads, he
         torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
 
+def _chunks(kernel, B, heads, kv_heads, head_size, max_ctx, threads) -> int:
+    """The parts the bf16 kernel cuts each decode row's context into (0: it goes by KV heads)."""
+    fn = kernel.lib.paged_decode_bf16_chunks
+    fn.argtypes, fn.restype = [ctypes.c_int64] * 5 + [ctypes.c_int], ctypes.c_int64
+    return fn(B, heads, kv_heads, head_size, max_ctx, threads)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (12, 1, 64), (8, 2, 128)])
+def test_few_long_rows_split_their_context_across_threads(kernel, heads, kv_heads, head_size):
+    """One or two chat streams with long contexts have fewer (row, KV head) items than two threads
+    share evenly, so the AVX512-BF16 kernel cuts each row's context into parts and merges the
+    parts' softmaxes (flash-decoding). Peaked scores (a few tokens carry each head) make a wrong
+    merge weight visible; contexts off the parts' and tiles' sizes, and a short row beside a long
+    one (some of its parts empty)."""
+    assert (_chunks(kernel, 2, heads, kv_heads, head_size, 2000, 2) > 0) == _has_avx512_bf16()
+    assert _chunks(kernel, 1, heads, kv_heads, head_size, 255, 2) == 0  # short: the attention is small
+    assert _chunks(kernel, 64, heads, kv_heads, head_size, 2000, 2) == 0  # many rows: by KV heads
+    assert _chunks(kernel, 1, heads, kv_heads, head_size, 2000, 1) == 0  # one thread
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(heads + head_size)
+        block_size, nblk, scale = 16, 128, 4 * head_size**-0.5
+        for contexts in ([256], [1500], [300, 2000], [2000, 17]):
+            B, ctx = len(contexts), torch.tensor(contexts)
+            tables = torch.randperm(B * nblk, generator=g).view(B, nblk)
+            k_cache, v_cache = (torch.randn(B * nblk * block_size, kv_heads, head_size, generator=g).to(torch.bfloat16)
+                                for _ in range(2))
+            query = torch.randn(B, heads * head_size, generator=g).to(torch.bfloat16)
+            rows = torch.arange(B)
+            out = torch.empty(B, heads * head_size, dtype=torch.bfloat16)
+            kernel(query, rows, rows, k_cache, v_cache, tables, ctx, out, num_heads=heads, block_size=block_size,
+                   scale=scale)
+            want = _reference(query, rows, rows, k_cache, v_cache, tables, ctx, heads, block_size, scale)
+            torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2, msg=f"contexts {contexts}")
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("max_ctx", [4096, 12])
 def test_backend_runs_prefills_through_the_kernel(monkeypatch, max_ctx):
     """bf16 on a CPU with AVX512-BF16: prefill chunks (a fresh one and one after a cached prefix)

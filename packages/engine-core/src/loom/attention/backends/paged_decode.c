@@ -92,11 +92,12 @@ typedef struct {
     int64_t ctx, block_size, row_bytes, off, span; /* bytes: a cache row, the item's heads in it */
     int64_t t, per_step;                           /* next token; lines asked for per call */
     int which;                                     /* 0: K, 1: V, 2: done */
+    int64_t t0;                                    /* the first token (of K, then of V) */
 } prefetcher;
 
 static inline void prefetch_some(prefetcher *c) {
     for (int64_t lines = c->per_step; lines > 0 && c->which < 2;) {
-        if (c->t >= c->ctx) { c->which++; c->t = 0; continue; }
+        if (c->t >= c->ctx) { c->which++; c->t = c->t0; continue; }
         const char *p = (c->which ? c->v_cache : c->k_cache)
                         + (c->table[c->t / c->block_size] * c->block_size + c->t % c->block_size) * c->row_bytes
                         + c->off;
@@ -119,8 +120,10 @@ static inline prefetcher next_item(int64_t b, int64_t part, int64_t hpi, int64_t
                         block_size, Hk * D * esize, kh0 * D * esize, span, 0, lines / (calls > 0 ? calls : 1) + 1, 0};
 }
 
-/* each of nr rows (row stride `stride`) of scores: softmax over its first ctx values, in place */
-static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64_t ctx) {
+/* each of nr rows (row stride `stride`) of scores: softmax over its first ctx values, in place;
+ * where ml is not NULL, ml[2r] and ml[2r + 1] receive row r's max and sum of exponentials (what a
+ * later merge of softmaxes over parts of a context needs) */
+static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64_t ctx, float *ml) {
     for (int64_t r = 0; r < nr; r++) {
         float *sr = scores + r * stride;
         float m = sr[0], sum = 0.f;
@@ -133,7 +136,9 @@ static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64
             vsum += e;
         }
         for (; u < ctx; u++) { sr[u] = expf(sr[u] - m); sum += sr[u]; }
-        const float inv = 1.f / (sum + hsum(vsum));
+        sum += hsum(vsum);
+        if (ml) ml[2 * r] = m, ml[2 * r + 1] = sum;
+        const float inv = 1.f / sum;
         for (u = 0; u < ctx; u++) sr[u] *= inv;
     }
 }
@@ -242,7 +247,7 @@ int FN(                                                                         
                         scores[r * max_ctx + t] = hsum(a0);                                    \
                     }                                                                          \
                 }                                                                              \
-                softmax_rows(scores, nr, max_ctx, ctx);                                        \
+                softmax_rows(scores, nr, max_ctx, ctx, NULL);                                  \
                 memset(acc, 0, sizeof(v8f) * (size_t)(nr * dv));                               \
                 for (int64_t u = 0; u < ctx; u++) {                                            \
                     PREFETCH_TOKEN(v_cache, u + 8);                                            \

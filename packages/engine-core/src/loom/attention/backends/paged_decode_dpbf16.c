@@ -52,14 +52,14 @@ static const bf16_t zero_row[32 * MAX_DV32]; /* the keys of a tile past the cont
 
 typedef uint32_t u32_alias __attribute__((may_alias)); /* a bf16 pair, read from bf16 storage */
 
-/* scores[r * stride + t] = scale * q_r . k_t for the g query heads of KV head kh, t < ctx
- * (written up to ctx rounded up to 16) */
+/* scores[r * stride + t - tb] = scale * q_r . k_t for the g query heads of KV head kh, tb <= t < ctx
+ * (written up to ctx rounded up to 16 from tb) */
 static inline void qk_dp(const bf16_t *q, const bf16_t *k_cache, const int64_t *table, int64_t block_size,
-                         int64_t row, int64_t kh, int64_t ctx, int64_t g, int64_t D, float scale, float *scores,
-                         int64_t stride, prefetcher *pf) {
+                         int64_t row, int64_t kh, int64_t tb, int64_t ctx, int64_t g, int64_t D, float scale,
+                         float *scores, int64_t stride, prefetcher *pf) {
     const int64_t dv = D / 32;
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+    for (int64_t t0 = tb; t0 < ctx; t0 += 16) {
         const bf16_t *kp[16];
         for (int j = 0; j < 16; j++) {
             const int64_t t = t0 + j;
@@ -82,19 +82,21 @@ static inline void qk_dp(const bf16_t *q, const bf16_t *k_cache, const int64_t *
                 for (int64_t c = 1; c < dv; c++) s = _mm512_dpbf16_ps(s, qv[c], load_bh(kp[j] + 32 * c));
                 a[j] = s;
             }
-            _mm512_storeu_ps(scores + r * stride + t0, _mm512_mul_ps(reduce16(a), vscale));
+            _mm512_storeu_ps(scores + r * stride + t0 - tb, _mm512_mul_ps(reduce16(a), vscale));
         }
     }
 }
 
-/* acc (NR heads x ND * 16 elements of D from d0) = sum over t of p[r][t] * v_t; into out rows */
+/* acc (NR heads x ND * 16 elements of D from d0) = sum over tb <= t < ctx of p[r][t - tb] * v_t;
+ * into out rows (bf16), or where of is not NULL into its rows of os floats */
 static inline __attribute__((always_inline)) void pv_tile(const bf16_t *v_cache, const int64_t *table,
-                                                          int64_t block_size, int64_t row, int64_t kh, int64_t ctx,
-                                                          int64_t D, const float *p, int64_t stride, int64_t d0,
-                                                          bf16_t *o, prefetcher *pf, const int NR, const int ND) {
+                                                          int64_t block_size, int64_t row, int64_t kh, int64_t tb,
+                                                          int64_t ctx, int64_t D, const float *p, int64_t stride,
+                                                          int64_t d0, bf16_t *o, float *of, int64_t os,
+                                                          prefetcher *pf, const int NR, const int ND) {
     __m512 acc[4][4];
     for (int r = 0; r < NR; r++) for (int c = 0; c < ND; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < ctx; t++) {
+    for (int64_t t = tb; t < ctx; t++) {
         const bf16_t *v = v_cache + (table[t / block_size] * block_size + t % block_size) * row + kh * D + d0;
         if ((t & 3) == 0) prefetch_some(pf);
         if (t + 8 < ctx) {
@@ -104,30 +106,35 @@ static inline __attribute__((always_inline)) void pv_tile(const bf16_t *v_cache,
         __m512 x[4];
         for (int c = 0; c < ND; c++) x[c] = widen16(v + 16 * c);
         for (int r = 0; r < NR; r++) {
-            const __m512 w = _mm512_set1_ps(p[r * stride + t]);
+            const __m512 w = _mm512_set1_ps(p[r * stride + t - tb]);
             for (int c = 0; c < ND; c++) acc[r][c] = _mm512_fmadd_ps(w, x[c], acc[r][c]);
         }
     }
     for (int r = 0; r < NR; r++)
-        for (int c = 0; c < ND; c++)
-            _mm256_storeu_si256((void *)(o + r * D + d0 + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+        for (int c = 0; c < ND; c++) {
+            if (of) _mm512_storeu_ps(of + r * os + d0 + 16 * c, acc[r][c]);
+            else _mm256_storeu_si256((void *)(o + r * os + d0 + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+        }
 }
 
 #define PV_CASE(NR)                                                                                     \
     switch (nd) {                                                                                       \
-    case 4: pv_tile(v_cache, table, block_size, row, kh, ctx, D, p, stride, d0, o, pf, NR, 4); break;       \
-    case 3: pv_tile(v_cache, table, block_size, row, kh, ctx, D, p, stride, d0, o, pf, NR, 3); break;       \
-    case 2: pv_tile(v_cache, table, block_size, row, kh, ctx, D, p, stride, d0, o, pf, NR, 2); break;       \
-    default: pv_tile(v_cache, table, block_size, row, kh, ctx, D, p, stride, d0, o, pf, NR, 1); break;      \
+    case 4: pv_tile(v_cache, table, block_size, row, kh, tb, ctx, D, p, stride, d0, o, of, os, pf, NR, 4); break; \
+    case 3: pv_tile(v_cache, table, block_size, row, kh, tb, ctx, D, p, stride, d0, o, of, os, pf, NR, 3); break; \
+    case 2: pv_tile(v_cache, table, block_size, row, kh, tb, ctx, D, p, stride, d0, o, of, os, pf, NR, 2); break; \
+    default: pv_tile(v_cache, table, block_size, row, kh, tb, ctx, D, p, stride, d0, o, of, os, pf, NR, 1); break; \
     }
 
+/* the g heads' P.V over tokens tb <= t < ctx: into out (bf16 rows of os), or where outf is not
+ * NULL into its fp32 rows of os floats */
 static void pv_dp(const bf16_t *v_cache, const int64_t *table, int64_t block_size, int64_t row, int64_t kh,
-                  int64_t ctx, int64_t g, int64_t D, const float *scores, int64_t stride, bf16_t *out,
-                  prefetcher *pf) {
+                  int64_t tb, int64_t ctx, int64_t g, int64_t D, const float *scores, int64_t stride, bf16_t *out,
+                  float *outf, int64_t os, prefetcher *pf) {
     for (int64_t r0 = 0; r0 < g; r0 += 4) {
         const int64_t nr = g - r0 < 4 ? g - r0 : 4;
         const float *p = scores + r0 * stride;
-        bf16_t *o = out + r0 * D;
+        bf16_t *o = outf ? NULL : out + r0 * os;
+        float *of = outf ? outf + r0 * os : NULL;
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
             const int64_t nd = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
             if (nr == 4) PV_CASE(4) else if (nr == 3) PV_CASE(3) else if (nr == 2) PV_CASE(2) else PV_CASE(1)
@@ -196,7 +203,7 @@ static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq
     for (int64_t h = 0; h < nh; h++) {
         float *sr = scores + h * stride;
         const int64_t c = ctx_of[h / g];
-        softmax_rows(sr, 1, stride, c);
+        softmax_rows(sr, 1, stride, c, NULL);
         for (int64_t u = 0; u < c; u++) { /* P rounded to bf16, where torch's flash kernel rounds it */
             const uint32_t b = (uint32_t)f32_to_bf16(sr[u]) << 16;
             memcpy(sr + u, &b, sizeof b);
@@ -281,6 +288,106 @@ static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     return failed;
 }
 
+/* ---- Decode rows split along their context (flash-decoding) ----
+ * With fewer (row, KV head) items than threads can share evenly, one chat stream's attention
+ * ran on the threads unevenly (SmolLM2's 3 KV heads on 2 threads: 2:1) and each thread read
+ * its head's 128 bytes of every 384-byte cache row. Here each row's context is cut into
+ * `chunks` parts of whole 16-token tiles; an item is one part of one row with all its KV heads,
+ * and while it computes, the thread asks for its next item's whole cache rows (K, then V) a few
+ * lines at a time, as the other decode items do for their heads' share of the rows; each part
+ * leaves its heads' P.V in fp32 with the softmax's max and sum, and the parts are merged after:
+ * out = sum_c w_c o_c / sum_c w_c, w_c = sum_c * e^(max_c - max). */
+#define QD_CHUNK 512 /* tokens a part at most, about (chunks a multiple of the threads) */
+#define QD_SPLIT_MIN 256 /* no split below this context: the attention is then a small part of a step */
+
+/* the number of parts of each row's context, 0 where the rows go by (row, KV heads) items */
+static int64_t decode_chunks(int64_t B, int64_t Hk, int64_t max_ctx, int nthreads) {
+    if (nthreads < 2 || B * Hk >= 4 * (int64_t)nthreads || max_ctx < QD_SPLIT_MIN) return 0;
+    return nthreads * ((max_ctx + nthreads * QD_CHUNK - 1) / (nthreads * QD_CHUNK));
+}
+
+/* the prefetcher of split item it (whole cache rows of its part), its lines spread over `calls` calls */
+static inline prefetcher split_next(int64_t it, int64_t items, int64_t chunks, const int64_t *singles,
+                                    const int64_t *rows_req, const int64_t *tables, int64_t bt_stride,
+                                    const int64_t *ctx_lens, int64_t block_size, const bf16_t *k_cache,
+                                    const bf16_t *v_cache, int64_t row, int64_t calls) {
+    if (it >= items) return (prefetcher){.which = 2};
+    const int64_t b = singles[it / chunks], c = it % chunks, ctx = ctx_lens[b];
+    const int64_t len = ((ctx + chunks - 1) / chunks + 15) / 16 * 16, tb = c * len, te = tb + len < ctx ? tb + len : ctx;
+    if (tb >= te) return (prefetcher){.which = 2};
+    const int64_t span = row * (int64_t)sizeof(bf16_t), lines = 2 * (te - tb) * ((span + 63) / 64);
+    return (prefetcher){(const char *)k_cache, (const char *)v_cache, tables + rows_req[b] * bt_stride, te,
+                        block_size, span, 0, span, tb, lines / (calls > 0 ? calls : 1) + 1, 0, tb};
+}
+
+static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int64_t *rows_q, const int64_t *rows_req,
+                                const bf16_t *k_cache, const bf16_t *v_cache, const int64_t *tables,
+                                int64_t bt_stride, const int64_t *ctx_lens, bf16_t *out, int64_t out_stride,
+                                const int64_t *singles, int64_t B, int64_t H, int64_t Hk, int64_t D,
+                                int64_t block_size, int nthreads, float scale, int64_t chunks, int64_t max_ctx) {
+    const int64_t g = H / Hk, row = Hk * D, pw = D + 2, items = B * chunks;
+    const int64_t len_max = ((max_ctx + chunks - 1) / chunks + 15) / 16 * 16;
+    float *part = malloc(sizeof(float) * (size_t)(items * H * pw)); /* item, query head: o (D), max, sum */
+    if (!part) return 1;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(nthreads)")
+    {
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(g * len_max + 2 * g));
+        if (!scores) {
+            _Pragma("omp atomic write") failed = 1;
+        } else {
+            float *ml = scores + g * len_max;
+            const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            for (int64_t it = tid; it < items; it += nt) {
+                const int64_t b = singles[it / chunks], c = it % chunks, ctx = ctx_lens[b];
+                const int64_t len = ((ctx + chunks - 1) / chunks + 15) / 16 * 16, tb = c * len;
+                const int64_t te = tb + len < ctx ? tb + len : ctx;
+                prefetcher pf = split_next(it + nt, items, chunks, singles, rows_req, tables, bt_stride, ctx_lens,
+                                             block_size, k_cache, v_cache, row,
+                                             Hk * (((len + 15) / 16) * g + ((len + 3) / 4) * ((g + 3) / 4) * ((D + 63) / 64)));
+                float *pb = part + it * H * pw;
+                if (tb >= te) { /* a short row's empty part: no weight in the merge */
+                    for (int64_t h = 0; h < H; h++) pb[h * pw + D] = -INFINITY, pb[h * pw + D + 1] = 0.f;
+                    continue;
+                }
+                const int64_t *table = tables + rows_req[b] * bt_stride;
+                for (int64_t kh = 0; kh < Hk; kh++) {
+                    const bf16_t *q = query + rows_q[b] * q_stride + kh * g * D;
+                    qk_dp(q, k_cache, table, block_size, row, kh, tb, te, g, D, scale, scores, len_max, &pf);
+                    softmax_rows(scores, g, len_max, te - tb, ml);
+                    float *ph = pb + kh * g * pw;
+                    for (int64_t r = 0; r < g; r++) ph[r * pw + D] = ml[2 * r], ph[r * pw + D + 1] = ml[2 * r + 1];
+                    pv_dp(v_cache, table, block_size, row, kh, tb, te, g, D, scores, len_max, NULL, ph, pw, &pf);
+                }
+            }
+        }
+        free(scores);
+    }
+    if (!failed)
+        for (int64_t i = 0; i < B; i++)
+            for (int64_t h = 0; h < H; h++) {
+                const float *p0 = part + i * chunks * H * pw + h * pw;
+                float mx = -INFINITY, wsum = 0.f;
+                for (int64_t c = 0; c < chunks; c++) mx = p0[c * H * pw + D] > mx ? p0[c * H * pw + D] : mx;
+                __m512 acc[2 * MAX_DV32];
+                for (int64_t d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *pc = p0 + c * H * pw;
+                    if (pc[D + 1] == 0.f) continue;
+                    const float w = pc[D + 1] * expf(pc[D] - mx);
+                    wsum += w;
+                    for (int64_t d = 0; d < D / 16; d++)
+                        acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pc + 16 * d), acc[d]);
+                }
+                const __m512 inv = _mm512_set1_ps(wsum > 0.f ? 1.f / wsum : 0.f);
+                bf16_t *o = out + rows_q[singles[i]] * out_stride + h * D;
+                for (int64_t d = 0; d < D / 16; d++)
+                    _mm256_storeu_si256((void *)(o + 16 * d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[d], inv)));
+            }
+    free(part);
+    return failed;
+}
+
 static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int64_t *rows_q,
                                 const int64_t *rows_req, const bf16_t *k_cache, const bf16_t *v_cache,
                                 const int64_t *tables, int64_t bt_stride, const int64_t *ctx_lens, bf16_t *out,
@@ -306,6 +413,14 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     if (!B) { free(runs); return 0; }
     int64_t max_ctx = 1;
     for (int64_t i = 0; i < B; i++) max_ctx = ctx_lens[singles[i]] > max_ctx ? ctx_lens[singles[i]] : max_ctx;
+    const int64_t chunks = decode_chunks(B, Hk, max_ctx, nthreads);
+    if (chunks) {
+        const int rc = decode_split_dp_bf16(query, q_stride, rows_q, rows_req, k_cache, v_cache, tables, bt_stride,
+                                            ctx_lens, out, out_stride, singles, B, H, Hk, D, block_size, nthreads,
+                                            scale, chunks, max_ctx);
+        free(runs);
+        return rc;
+    }
     const int64_t stride = (max_ctx + 15) / 16 * 16, g = H / Hk, row = Hk * D;
     /* work items as in the portable kernel: a request and a range of its KV heads */
     int64_t parts = (2 * (int64_t)nthreads + B - 1) / B;
@@ -332,10 +447,10 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
                                                          + ((g + 3) / 4) * ((D + 63) / 64) * ((ctx + 3) / 4)));
                 for (int64_t kh = kh0; kh < kh1; kh++) {
                     const bf16_t *q = query + rows_q[b] * q_stride + kh * g * D;
-                    qk_dp(q, k_cache, table, block_size, row, kh, ctx, g, D, scale, scores, stride, &pf);
-                    softmax_rows(scores, g, stride, ctx);
-                    pv_dp(v_cache, table, block_size, row, kh, ctx, g, D, scores, stride,
-                          out + rows_q[b] * out_stride + kh * g * D, &pf);
+                    qk_dp(q, k_cache, table, block_size, row, kh, 0, ctx, g, D, scale, scores, stride, &pf);
+                    softmax_rows(scores, g, stride, ctx, NULL);
+                    pv_dp(v_cache, table, block_size, row, kh, 0, ctx, g, D, scores, stride,
+                          out + rows_q[b] * out_stride + kh * g * D, NULL, D, &pf);
                 }
             }
         }
@@ -354,6 +469,17 @@ int paged_decode_dp_bf16_used(int64_t H, int64_t Hk, int64_t D) {
     (void)H, (void)Hk, (void)D;
     return 0;
 #endif
+}
+
+/* the parts paged_decode_bf16 cuts each decode row's context into for B decode rows of up to
+ * max_ctx tokens (0: none, the rows go by KV heads); for the tests */
+int64_t paged_decode_bf16_chunks(int64_t B, int64_t H, int64_t Hk, int64_t D, int64_t max_ctx, int nthreads) {
+#ifdef LOOM_DPBF16
+    if (paged_decode_dp_bf16_used(H, Hk, D)) return decode_chunks(B, Hk, max_ctx, nthreads);
+#else
+    (void)B, (void)H, (void)Hk, (void)D, (void)max_ctx, (void)nthreads;
+#endif
+    return 0;
 }
 
 /* bf16: the AVX512-BF16 kernel where the CPU has it and D is a multiple of 32, else the portable
