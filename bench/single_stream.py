@@ -83,9 +83,10 @@ def chat_prompt(llm: Any) -> list[int]:
     return list(tok(text)["input_ids"])
 
 
-def random_prompt(n: int, vocab: int) -> list[int]:
-    """n token ids drawn the same way for every engine (a fresh prompt: no prefix-cache hit)."""
-    g = torch.Generator().manual_seed(n)
+def random_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    """n token ids drawn the same way for every engine (a fresh prompt: no prefix-cache hit; the
+    long-context prompt takes another seed than the TTFT one, so equal lengths do not share one)."""
+    g = torch.Generator().manual_seed(n + (seed << 32))
     return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
 
 
@@ -122,8 +123,8 @@ def run_loom(model: str | None, quantization: str, dtype: str, output_len: int, 
                   weight_bytes=weight_bytes_per_token(runner.model), text=out[0].outputs[0].text)
     if context:
         times.clear()
-        out = llm.generate([{"prompt_token_ids": random_prompt(context, vocab)}], params)
-        steps = times[1:len(out[0].outputs[0].token_ids)]  # after the prefill step
+        out = llm.generate([{"prompt_token_ids": random_prompt(context, vocab, seed=1)}], params)
+        steps = times[-(len(out[0].outputs[0].token_ids) - 1):]  # the decode steps, after the prefill's chunks
         result.update(ctx_tok_s=len(steps) / sum(steps), ctx_itl_p50=pct(steps, 50), ctx_itl_p99=pct(steps, 99))
     core.step = step  # type: ignore[method-assign]
     llm.shutdown()
@@ -188,7 +189,7 @@ def run_llama_cpp(path: str, output_len: int, prompt_len: int, context: int = 0)
     if context:
         llm.reset()
         stamps.clear()
-        for chunk in llm.create_completion(random_prompt(context, llm.n_vocab()), max_tokens=output_len,
+        for chunk in llm.create_completion(random_prompt(context, llm.n_vocab(), seed=1), max_tokens=output_len,
                                            temperature=0, stream=True, logit_bias={eos: -1e9}):
             if chunk["choices"][0]["text"]:
                 stamps.append(time.perf_counter())
@@ -211,6 +212,8 @@ def main() -> None:
                         help="repeat the whole table this many times (the machine's speed drifts: each run's "
                              "ratio to llama.cpp compares figures measured minutes apart) and summarize the ratios")
     args = parser.parse_args()
+    if args.context and args.output_len < 2:
+        parser.error("--context measures the decode steps after the first token: --output-len must be 2 or more")
     from loom.transformers_utils.config import resolve_model_path
 
     path, fmt = resolve_model_path(args.model)

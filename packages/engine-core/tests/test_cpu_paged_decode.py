@@ -88,7 +88,8 @@ def test_kernel_matches_torch(kernel, dtype, heads, kv_heads, head_size, block_s
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_one_request_splits_heads_across_threads(kernel, threads, dtype):
-    """One stream (the chat case) splits its KV heads across threads; the answer is the same."""
+    """One stream (the chat case) on one or two threads: by KV heads, or (bf16 with AVX512-BF16 on two
+    threads) its context split in parts; the answer is the same."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -269,6 +270,8 @@ def test_few_long_rows_split_their_context_across_threads(kernel, heads, kv_head
     assert _chunks(kernel, 1, heads, kv_heads, head_size, 255, 2) == 0  # short: the attention is small
     assert _chunks(kernel, 64, heads, kv_heads, head_size, 2000, 2) == 0  # many rows: by KV heads
     assert _chunks(kernel, 1, heads, kv_heads, head_size, 2000, 1) == 0  # one thread
+    # many threads cut a short context no finer than 64 tokens a part
+    assert _chunks(kernel, 1, heads, kv_heads, head_size, 256, 64) == 4 * _has_avx512_bf16()
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

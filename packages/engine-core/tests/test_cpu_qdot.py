@@ -118,11 +118,11 @@ def test_threads_do_not_change_the_result(k):
     try:
         torch.set_num_threads(1)
         one = run(x)
-        torch.set_num_threads(2)
-        two = run(x)
+        for threads in (2, 3, 7):  # slices of whole sixteens of outputs, shared out unevenly for 3 and 7
+            torch.set_num_threads(threads)
+            assert torch.equal(one, run(x)), f"{threads} threads"
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two)
 
 
 def test_refuses_what_it_cannot_take(k):

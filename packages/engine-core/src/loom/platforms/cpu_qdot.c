@@ -280,8 +280,8 @@ static int qa_run(int bits, const void *x, int xbf16, int64_t xs, qa_args *a, in
     _Pragma("omp parallel num_threads(nthreads)")
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t per = ((N + nt - 1) / nt + 15) / 16 * 16;
-        const int64_t o0 = t * per < N ? t * per : N, o1 = o0 + per < N ? o0 + per : N;
+        const int64_t blocks = (N + 15) / 16; /* whole sixteens, shared out evenly */
+        const int64_t o0 = t * blocks / nt * 16, o1 = (t + 1) * blocks / nt * 16 < N ? (t + 1) * blocks / nt * 16 : N;
         if (o0 < o1) range(a, o0, o1);
     }
     free(buf);

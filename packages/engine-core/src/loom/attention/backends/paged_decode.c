@@ -116,8 +116,10 @@ static inline prefetcher next_item(int64_t b, int64_t part, int64_t hpi, int64_t
     if (b < 0) return (prefetcher){.which = 2};
     const int64_t kh0 = part * hpi, kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, span = (kh1 - kh0) * D * esize;
     const int64_t lines = 2 * ctx_lens[b] * ((span + 63) / 64);
-    return (prefetcher){(const char *)k_cache, (const char *)v_cache, tables + rows_req[b] * bt_stride, ctx_lens[b],
-                        block_size, Hk * D * esize, kh0 * D * esize, span, 0, lines / (calls > 0 ? calls : 1) + 1, 0};
+    return (prefetcher){.k_cache = (const char *)k_cache, .v_cache = (const char *)v_cache,
+                        .table = tables + rows_req[b] * bt_stride, .ctx = ctx_lens[b], .block_size = block_size,
+                        .row_bytes = Hk * D * esize, .off = kh0 * D * esize, .span = span, .t = 0,
+                        .per_step = lines / (calls > 0 ? calls : 1) + 1, .which = 0, .t0 = 0};
 }
 
 /* each of nr rows (row stride `stride`) of scores: softmax over its first ctx values, in place;

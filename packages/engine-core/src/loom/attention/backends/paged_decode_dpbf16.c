@@ -297,13 +297,16 @@ static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int
  * lines at a time, as the other decode items do for their heads' share of the rows; each part
  * leaves its heads' P.V in fp32 with the softmax's max and sum, and the parts are merged after:
  * out = sum_c w_c o_c / sum_c w_c, w_c = sum_c * e^(max_c - max). */
-#define QD_CHUNK 512 /* tokens a part at most, about (chunks a multiple of the threads) */
+#define QD_CHUNK 512 /* tokens a part at most (parts a multiple of the threads) */
+#define QD_CHUNK_MIN 64 /* and at least, where many threads would cut a context finer */
 #define QD_SPLIT_MIN 256 /* no split below this context: the attention is then a small part of a step */
 
 /* the number of parts of each row's context, 0 where the rows go by (row, KV heads) items */
 static int64_t decode_chunks(int64_t B, int64_t Hk, int64_t max_ctx, int nthreads) {
     if (nthreads < 2 || B * Hk >= 4 * (int64_t)nthreads || max_ctx < QD_SPLIT_MIN) return 0;
-    return nthreads * ((max_ctx + nthreads * QD_CHUNK - 1) / (nthreads * QD_CHUNK));
+    const int64_t chunks = nthreads * ((max_ctx + nthreads * QD_CHUNK - 1) / (nthreads * QD_CHUNK));
+    const int64_t most = (max_ctx + QD_CHUNK_MIN - 1) / QD_CHUNK_MIN;
+    return chunks < most ? chunks : most;
 }
 
 /* the prefetcher of split item it (whole cache rows of its part), its lines spread over `calls` calls */
@@ -316,8 +319,10 @@ static inline prefetcher split_next(int64_t it, int64_t items, int64_t chunks, c
     const int64_t len = ((ctx + chunks - 1) / chunks + 15) / 16 * 16, tb = c * len, te = tb + len < ctx ? tb + len : ctx;
     if (tb >= te) return (prefetcher){.which = 2};
     const int64_t span = row * (int64_t)sizeof(bf16_t), lines = 2 * (te - tb) * ((span + 63) / 64);
-    return (prefetcher){(const char *)k_cache, (const char *)v_cache, tables + rows_req[b] * bt_stride, te,
-                        block_size, span, 0, span, tb, lines / (calls > 0 ? calls : 1) + 1, 0, tb};
+    return (prefetcher){.k_cache = (const char *)k_cache, .v_cache = (const char *)v_cache,
+                        .table = tables + rows_req[b] * bt_stride, .ctx = te, .block_size = block_size,
+                        .row_bytes = span, .off = 0, .span = span, .t = tb,
+                        .per_step = lines / (calls > 0 ? calls : 1) + 1, .which = 0, .t0 = tb};
 }
 
 static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int64_t *rows_q, const int64_t *rows_req,
@@ -332,7 +337,8 @@ static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(g * len_max + 2 * g));
+        /* aligned_alloc takes a multiple of the alignment: len_max is one of 16 floats, the sums are rounded up */
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(g * len_max + (2 * g + 15) / 16 * 16));
         if (!scores) {
             _Pragma("omp atomic write") failed = 1;
         } else {
@@ -341,10 +347,11 @@ static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int
             for (int64_t it = tid; it < items; it += nt) {
                 const int64_t b = singles[it / chunks], c = it % chunks, ctx = ctx_lens[b];
                 const int64_t len = ((ctx + chunks - 1) / chunks + 15) / 16 * 16, tb = c * len;
-                const int64_t te = tb + len < ctx ? tb + len : ctx;
+                const int64_t te = tb + len < ctx ? tb + len : ctx, n = te > tb ? te - tb : 0;
+                /* spread over this item's calls of prefetch_some: QK per tile and head, PV per 4 tokens */
                 prefetcher pf = split_next(it + nt, items, chunks, singles, rows_req, tables, bt_stride, ctx_lens,
-                                             block_size, k_cache, v_cache, row,
-                                             Hk * (((len + 15) / 16) * g + ((len + 3) / 4) * ((g + 3) / 4) * ((D + 63) / 64)));
+                                           block_size, k_cache, v_cache, row,
+                                           Hk * (((n + 15) / 16) * g + ((n + 3) / 4) * ((g + 3) / 4) * ((D + 63) / 64)));
                 float *pb = part + it * H * pw;
                 if (tb >= te) { /* a short row's empty part: no weight in the merge */
                     for (int64_t h = 0; h < H; h++) pb[h * pw + D] = -INFINITY, pb[h * pw + D + 1] = 0.f;
