@@ -259,19 +259,27 @@ def _chunks(kernel, B, heads, kv_heads, head_size, max_ctx, threads) -> int:
     return fn(B, heads, kv_heads, head_size, max_ctx, threads)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (12, 1, 64), (8, 2, 128)])
-def test_few_long_rows_split_their_context_across_threads(kernel, heads, kv_heads, head_size):
+@pytest.mark.parametrize("which", ["bf16", "portable bf16", "float32", "float16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (12, 1, 64), (8, 2, 128), (6, 2, 80)])
+def test_few_long_rows_split_their_context_across_threads(kernel, which, heads, kv_heads, head_size):
     """One or two chat streams with long contexts have fewer (row, KV head) items than two threads
-    share evenly, so the AVX512-BF16 kernel cuts each row's context into parts and merges the
-    parts' softmaxes (flash-decoding). Peaked scores (a few tokens carry each head) make a wrong
-    merge weight visible; contexts off the parts' and tiles' sizes, and a short row beside a long
-    one (some of its parts empty)."""
-    assert (_chunks(kernel, 2, heads, kv_heads, head_size, 2000, 2) > 0) == _has_avx512_bf16()
-    assert _chunks(kernel, 1, heads, kv_heads, head_size, 255, 2) == 0  # short: the attention is small
-    assert _chunks(kernel, 64, heads, kv_heads, head_size, 2000, 2) == 0  # many rows: by KV heads
-    assert _chunks(kernel, 1, heads, kv_heads, head_size, 2000, 1) == 0  # one thread
-    # many threads cut a short context no finer than 64 tokens a part
-    assert _chunks(kernel, 1, heads, kv_heads, head_size, 256, 64) == 4 * _has_avx512_bf16()
+    share evenly, so each kernel (the AVX512-BF16 one, and the portable one of every dtype) cuts
+    each row's context into parts and merges the parts' softmaxes (flash-decoding). Peaked scores
+    (a few tokens carry each head) make a wrong merge weight visible; contexts off the parts' and
+    tiles' sizes, and a short row beside a long one (some of its parts empty)."""
+    portable = kernel.lib.paged_decode_portable_chunks
+    portable.argtypes, portable.restype = [ctypes.c_int64] * 3 + [ctypes.c_int], ctypes.c_int64
+    fast = which == "bf16" and _has_avx512_bf16() and head_size % 32 == 0
+    split = ((lambda *a: _chunks(kernel, *a)) if fast else
+             (lambda B, heads, kv_heads, head_size, max_ctx, threads: portable(B, kv_heads, max_ctx, threads)))
+    assert split(2, heads, kv_heads, head_size, 2000, 2) > 0
+    assert split(1, heads, kv_heads, head_size, 255, 2) == 0  # short: the attention is small
+    assert split(64, heads, kv_heads, head_size, 2000, 2) == 0  # many rows: by KV heads
+    assert split(1, heads, kv_heads, head_size, 2000, 1) == 0  # one thread
+    assert split(1, heads, kv_heads, head_size, 256, 64) == 4  # many threads: parts of 64 tokens at least
+    dtype = {"bf16": torch.bfloat16, "portable bf16": torch.bfloat16}.get(which) or getattr(torch, which)
+    k = _portable_bf16(kernel) if which == "portable bf16" else kernel
+    tol = TOLERANCE[dtype]
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -280,15 +288,15 @@ def test_few_long_rows_split_their_context_across_threads(kernel, heads, kv_head
         for contexts in ([256], [1500], [300, 2000], [2000, 17]):
             B, ctx = len(contexts), torch.tensor(contexts)
             tables = torch.randperm(B * nblk, generator=g).view(B, nblk)
-            k_cache, v_cache = (torch.randn(B * nblk * block_size, kv_heads, head_size, generator=g).to(torch.bfloat16)
+            k_cache, v_cache = (torch.randn(B * nblk * block_size, kv_heads, head_size, generator=g).to(dtype)
                                 for _ in range(2))
-            query = torch.randn(B, heads * head_size, generator=g).to(torch.bfloat16)
+            query = torch.randn(B, heads * head_size, generator=g).to(dtype)
             rows = torch.arange(B)
-            out = torch.empty(B, heads * head_size, dtype=torch.bfloat16)
-            kernel(query, rows, rows, k_cache, v_cache, tables, ctx, out, num_heads=heads, block_size=block_size,
-                   scale=scale)
+            out = torch.empty(B, heads * head_size, dtype=dtype)
+            k(query, rows, rows, k_cache, v_cache, tables, ctx, out, num_heads=heads, block_size=block_size,
+              scale=scale)
             want = _reference(query, rows, rows, k_cache, v_cache, tables, ctx, heads, block_size, scale)
-            torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2, msg=f"contexts {contexts}")
+            torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol, msg=f"contexts {contexts}")
     finally:
         torch.set_num_threads(before)
 

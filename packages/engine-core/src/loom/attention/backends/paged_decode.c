@@ -145,6 +145,69 @@ static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64
     }
 }
 
+/* ---- Decode rows split along their context (flash-decoding; see paged_decode_dpbf16.c) ----
+ * Where a step has fewer (row, KV head) items than the threads share evenly, each decode row's
+ * context is cut into parts, an item is one part of one row with all its KV heads, and the
+ * parts' softmaxes are merged after. */
+#define QD_CHUNK 512 /* tokens a part at most (parts a multiple of the threads) */
+#define QD_CHUNK_MIN 64 /* and at least, where many threads would cut a context finer */
+#define QD_SPLIT_MIN 256 /* no split below this context: the attention is then a small part of a step */
+
+/* the number of parts of each row's context, 0 where the rows go by (row, KV heads) items */
+static int64_t decode_chunks(int64_t B, int64_t Hk, int64_t max_ctx, int nthreads) {
+    if (nthreads < 2 || B * Hk >= 4 * (int64_t)nthreads || max_ctx < QD_SPLIT_MIN) return 0;
+    const int64_t chunks = nthreads * ((max_ctx + nthreads * QD_CHUNK - 1) / (nthreads * QD_CHUNK));
+    const int64_t most = (max_ctx + QD_CHUNK_MIN - 1) / QD_CHUNK_MIN;
+    return chunks < most ? chunks : most;
+}
+
+/* decode_chunks, for the tests: the parts paged_decode_f32 / _f16 / _portable_bf16 cut each row into */
+int64_t paged_decode_portable_chunks(int64_t B, int64_t Hk, int64_t max_ctx, int nthreads) {
+    return decode_chunks(B, Hk, max_ctx, nthreads);
+}
+
+/* part c of `chunks` of a context of ctx tokens: [*tb, *te), whole 16-token tiles (empty: *tb >= *te) */
+static inline void part_range(int64_t ctx, int64_t chunks, int64_t c, int64_t *tb, int64_t *te) {
+    const int64_t len = ((ctx + chunks - 1) / chunks + 15) / 16 * 16;
+    *tb = c * len;
+    *te = *tb + len < ctx ? *tb + len : ctx;
+}
+
+/* the prefetcher of split item it (row singles[it / chunks], or it / chunks where singles is NULL;
+ * part it % chunks; whole cache rows of row_bytes), its lines spread over `calls` calls */
+static inline prefetcher part_prefetcher(int64_t it, int64_t items, int64_t chunks, const int64_t *singles,
+                                         const int64_t *rows_req, const int64_t *tables, int64_t bt_stride,
+                                         const int64_t *ctx_lens, int64_t block_size, const void *k_cache,
+                                         const void *v_cache, int64_t row_bytes, int64_t calls) {
+    if (it >= items) return (prefetcher){.which = 2};
+    const int64_t b = singles ? singles[it / chunks] : it / chunks;
+    int64_t tb, te;
+    part_range(ctx_lens[b], chunks, it % chunks, &tb, &te);
+    if (tb >= te) return (prefetcher){.which = 2};
+    const int64_t lines = 2 * (te - tb) * ((row_bytes + 63) / 64);
+    return (prefetcher){.k_cache = (const char *)k_cache, .v_cache = (const char *)v_cache,
+                        .table = tables + rows_req[b] * bt_stride, .ctx = te, .block_size = block_size,
+                        .row_bytes = row_bytes, .off = 0, .span = row_bytes, .t = tb,
+                        .per_step = lines / (calls > 0 ? calls : 1) + 1, .which = 0, .t0 = tb};
+}
+
+/* one query head's parts merged: o (D floats) = sum_c w_c o_c / sum_c w_c, w_c = sum_c e^(max_c - max),
+ * for parts at p0 + c * stride (o_c: D floats, then max_c and sum_c; an empty part has sum 0) */
+static inline void merge_parts(const float *p0, int64_t chunks, int64_t stride, int64_t D, float *o) {
+    float mx = -INFINITY, wsum = 0.f;
+    for (int64_t c = 0; c < chunks; c++) mx = p0[c * stride + D] > mx ? p0[c * stride + D] : mx;
+    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+    for (int64_t c = 0; c < chunks; c++) {
+        const float *pc = p0 + c * stride;
+        if (pc[D + 1] == 0.f) continue;
+        const float w = pc[D + 1] * expf(pc[D] - mx);
+        wsum += w;
+        for (int64_t d = 0; d < D; d++) o[d] += w * pc[d];
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+}
+
 #define MAX_DV 32  /* D / 8 up to 256 */
 
 #define SLOT(u) (table[(u) / block_size] * block_size + (u) % block_size)
@@ -174,7 +237,7 @@ static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64
             }                                                                                  \
         }                                                                                      \
         for (int q_ = 0; q_ < NQ; q_++) {                                                      \
-            float *s_ = scores + (r0 + q_) * max_ctx + t;                                      \
+            float *s_ = scores + (r0 + q_) * max_ctx + t - tb;                                 \
             s_[0] = hsum(a[q_][0]); s_[1] = hsum(a[q_][1]); s_[2] = hsum(a[q_][2]); s_[3] = hsum(a[q_][3]); \
         }                                                                                      \
     }
@@ -197,33 +260,49 @@ int FN(                                                                         
     int64_t parts = (2 * (int64_t)nthreads + B - 1) / B;                                       \
     if (parts > Hk) parts = Hk;                                                                \
     if (parts < 1) parts = 1;                                                                  \
-    const int64_t hpi = (Hk + parts - 1) / parts, per_req = (Hk + hpi - 1) / hpi;              \
+    /* too few items for the threads, long contexts: parts of each row's context instead, all  \
+     * its KV heads an item, merged after (chunks parts a row, see decode_chunks) */           \
+    const int64_t chunks = decode_chunks(B, Hk, max_ctx, nthreads), pw = D + 2;                \
+    if (chunks) parts = 1;                                                                     \
+    const int64_t hpi = (Hk + parts - 1) / parts, per_req = chunks ? chunks : (Hk + hpi - 1) / hpi; \
     const int64_t items = B * per_req, rows_max = hpi * g;                                     \
+    float *part = chunks ? malloc(sizeof(float) * (size_t)(items * H * pw)) : NULL;           \
+    if (chunks && !part) return 1;                                                             \
     int failed = 0;                                                                            \
     _Pragma("omp parallel num_threads(nthreads)")                                              \
     {                                                                                          \
         /* per thread: scores (hpi*g x max_ctx), the item's queries and accumulators */         \
-        float *scores = malloc(sizeof(float) * (size_t)(rows_max * max_ctx));                  \
+        float *scores = malloc(sizeof(float) * (size_t)(rows_max * (max_ctx + 2)));            \
         v8f *qv = aligned_alloc(sizeof(v8f), sizeof(v8f) * (size_t)(rows_max * dv));           \
         v8f *acc = aligned_alloc(sizeof(v8f), sizeof(v8f) * (size_t)(rows_max * dv));          \
         if (!scores || !qv || !acc) {                                                          \
             _Pragma("omp atomic write") failed = 1;                                            \
         } else {                                                                               \
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();                  \
+            float *ml = scores + rows_max * max_ctx; /* a split item's softmax max and sum a row */ \
             for (int64_t it = tid; it < items; it += nt) {                                     \
-                const int64_t b = it / per_req, kh0 = (it % per_req) * hpi;                    \
+                const int64_t b = it / per_req, kh0 = chunks ? 0 : (it % per_req) * hpi;       \
                 const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, nr = (kh1 - kh0) * g;     \
-                const int64_t ctx = ctx_lens[b];                                               \
+                int64_t tb = 0, ctx = ctx_lens[b]; /* the item's tokens: [tb, ctx) */          \
+                if (chunks) part_range(ctx_lens[b], chunks, it % chunks, &tb, &ctx);           \
+                float *pb = chunks ? part + it * H * pw : NULL;                                \
+                if (chunks && tb >= ctx) { /* a short row's empty part: no weight in the merge */ \
+                    for (int64_t h = 0; h < H; h++) pb[h * pw + D] = -INFINITY, pb[h * pw + D + 1] = 0.f; \
+                    continue;                                                                  \
+                }                                                                              \
                 const int64_t span = (kh1 - kh0) * D * (int64_t)sizeof(T);                     \
                 const int64_t *table = tables + rows_req[b] * bt_stride;                       \
                 const T *qrow = query + rows_q[b] * q_stride + kh0 * g * D;                    \
                 /* the next item's K/V while this one computes; not for heads under 32 elements, \
                  * whose per-token work is too small to hide the asking (6% slower, 2M OPT) */   \
-                prefetcher pf = next_item(D >= 32 && it + nt < items ? (it + nt) / per_req : -1, (it + nt) % per_req, \
-                                          hpi, Hk, D, sizeof(T), rows_req, tables, bt_stride, ctx_lens, \
-                                          block_size, k_cache, v_cache, (ctx + 3) / 4 * 2);    \
+                prefetcher pf = chunks ? part_prefetcher(D >= 32 ? it + nt : items, items, chunks, NULL, rows_req, \
+                                                         tables, bt_stride, ctx_lens, block_size, k_cache, \
+                                                         v_cache, row * (int64_t)sizeof(T), (ctx - tb + 3) / 4 * 2) \
+                                       : next_item(D >= 32 && it + nt < items ? (it + nt) / per_req : -1, \
+                                                   (it + nt) % per_req, hpi, Hk, D, sizeof(T), rows_req, tables, \
+                                                   bt_stride, ctx_lens, block_size, k_cache, v_cache, (ctx + 3) / 4 * 2); \
                 for (int64_t j = 0; j < nr * dv; j++) qv[j] = load_##NAME(qrow + 8 * j) * scale;\
-                int64_t t = 0;                                                                 \
+                int64_t t = tb;                                                                \
                 for (; t + 4 <= ctx; t += 4) { /* four keys at once: four independent chains */\
                     const T *k0 = k_cache + SLOT(t) * row, *k1 = k_cache + SLOT(t + 1) * row;  \
                     const T *k2 = k_cache + SLOT(t + 2) * row, *k3 = k_cache + SLOT(t + 3) * row; \
@@ -246,12 +325,12 @@ int FN(                                                                         
                         const int64_t off = (kh0 + r / g) * D;                                 \
                         v8f a0 = {0};                                                          \
                         for (int64_t d = 0; d < dv; d++) a0 += qv[r * dv + d] * load_##NAME(k0 + off + 8 * d); \
-                        scores[r * max_ctx + t] = hsum(a0);                                    \
+                        scores[r * max_ctx + t - tb] = hsum(a0);                               \
                     }                                                                          \
                 }                                                                              \
-                softmax_rows(scores, nr, max_ctx, ctx, NULL);                                  \
+                softmax_rows(scores, nr, max_ctx, ctx - tb, chunks ? ml : NULL);              \
                 memset(acc, 0, sizeof(v8f) * (size_t)(nr * dv));                               \
-                for (int64_t u = 0; u < ctx; u++) {                                            \
+                for (int64_t u = tb; u < ctx; u++) {                                           \
                     PREFETCH_TOKEN(v_cache, u + 8);                                            \
                     if ((u & 3) == 0) prefetch_some(&pf);                                      \
                     const T *v0 = v_cache + SLOT(u) * row + kh0 * D;                           \
@@ -261,9 +340,16 @@ int FN(                                                                         
                         for (int64_t d = 0; d < dv; d++) {                                     \
                             const v8f x = load_##NAME(vr + 8 * d);                             \
                             for (int64_t r = rb; r < rb + g; r++)                              \
-                                acc[r * dv + d] += scores[r * max_ctx + u] * x;                \
+                                acc[r * dv + d] += scores[r * max_ctx + u - tb] * x;           \
                         }                                                                      \
                     }                                                                          \
+                }                                                                              \
+                if (chunks) { /* fp32 P.V, max and sum a head, for the merge */                \
+                    for (int64_t r = 0; r < nr; r++) {                                         \
+                        memcpy(pb + r * pw, acc + r * dv, sizeof(float) * (size_t)D);          \
+                        pb[r * pw + D] = ml[2 * r], pb[r * pw + D + 1] = ml[2 * r + 1];        \
+                    }                                                                          \
+                    continue;                                                                  \
                 }                                                                              \
                 T *orow = out + rows_q[b] * out_stride + kh0 * g * D;                          \
                 for (int64_t j = 0; j < nr * dv; j++)                                          \
@@ -272,6 +358,15 @@ int FN(                                                                         
         }                                                                                      \
         free(scores); free(qv); free(acc);                                                     \
     }                                                                                          \
+    if (chunks && !failed)                                                                     \
+        for (int64_t b = 0; b < B; b++)                                                        \
+            for (int64_t h = 0; h < H; h++) {                                                  \
+                float o[8 * MAX_DV];                                                           \
+                merge_parts(part + b * chunks * H * pw + h * pw, chunks, H * pw, D, o);        \
+                T *orow = out + rows_q[b] * out_stride + h * D;                                \
+                for (int64_t d = 0; d < D; d++) orow[d] = store_##NAME(o[d]);                  \
+            }                                                                                  \
+    free(part);                                                                                \
     return failed;                                                                             \
 }
 

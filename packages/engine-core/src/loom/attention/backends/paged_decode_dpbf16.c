@@ -297,34 +297,6 @@ static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int
  * lines at a time, as the other decode items do for their heads' share of the rows; each part
  * leaves its heads' P.V in fp32 with the softmax's max and sum, and the parts are merged after:
  * out = sum_c w_c o_c / sum_c w_c, w_c = sum_c * e^(max_c - max). */
-#define QD_CHUNK 512 /* tokens a part at most (parts a multiple of the threads) */
-#define QD_CHUNK_MIN 64 /* and at least, where many threads would cut a context finer */
-#define QD_SPLIT_MIN 256 /* no split below this context: the attention is then a small part of a step */
-
-/* the number of parts of each row's context, 0 where the rows go by (row, KV heads) items */
-static int64_t decode_chunks(int64_t B, int64_t Hk, int64_t max_ctx, int nthreads) {
-    if (nthreads < 2 || B * Hk >= 4 * (int64_t)nthreads || max_ctx < QD_SPLIT_MIN) return 0;
-    const int64_t chunks = nthreads * ((max_ctx + nthreads * QD_CHUNK - 1) / (nthreads * QD_CHUNK));
-    const int64_t most = (max_ctx + QD_CHUNK_MIN - 1) / QD_CHUNK_MIN;
-    return chunks < most ? chunks : most;
-}
-
-/* the prefetcher of split item it (whole cache rows of its part), its lines spread over `calls` calls */
-static inline prefetcher split_next(int64_t it, int64_t items, int64_t chunks, const int64_t *singles,
-                                    const int64_t *rows_req, const int64_t *tables, int64_t bt_stride,
-                                    const int64_t *ctx_lens, int64_t block_size, const bf16_t *k_cache,
-                                    const bf16_t *v_cache, int64_t row, int64_t calls) {
-    if (it >= items) return (prefetcher){.which = 2};
-    const int64_t b = singles[it / chunks], c = it % chunks, ctx = ctx_lens[b];
-    const int64_t len = ((ctx + chunks - 1) / chunks + 15) / 16 * 16, tb = c * len, te = tb + len < ctx ? tb + len : ctx;
-    if (tb >= te) return (prefetcher){.which = 2};
-    const int64_t span = row * (int64_t)sizeof(bf16_t), lines = 2 * (te - tb) * ((span + 63) / 64);
-    return (prefetcher){.k_cache = (const char *)k_cache, .v_cache = (const char *)v_cache,
-                        .table = tables + rows_req[b] * bt_stride, .ctx = te, .block_size = block_size,
-                        .row_bytes = span, .off = 0, .span = span, .t = tb,
-                        .per_step = lines / (calls > 0 ? calls : 1) + 1, .which = 0, .t0 = tb};
-}
-
 static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int64_t *rows_q, const int64_t *rows_req,
                                 const bf16_t *k_cache, const bf16_t *v_cache, const int64_t *tables,
                                 int64_t bt_stride, const int64_t *ctx_lens, bf16_t *out, int64_t out_stride,
@@ -345,13 +317,14 @@ static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int
             float *ml = scores + g * len_max;
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
             for (int64_t it = tid; it < items; it += nt) {
-                const int64_t b = singles[it / chunks], c = it % chunks, ctx = ctx_lens[b];
-                const int64_t len = ((ctx + chunks - 1) / chunks + 15) / 16 * 16, tb = c * len;
-                const int64_t te = tb + len < ctx ? tb + len : ctx, n = te > tb ? te - tb : 0;
+                const int64_t b = singles[it / chunks];
+                int64_t tb, te;
+                part_range(ctx_lens[b], chunks, it % chunks, &tb, &te);
+                const int64_t n = te > tb ? te - tb : 0;
                 /* spread over this item's calls of prefetch_some: QK per tile and head, PV per 4 tokens */
-                prefetcher pf = split_next(it + nt, items, chunks, singles, rows_req, tables, bt_stride, ctx_lens,
-                                           block_size, k_cache, v_cache, row,
-                                           Hk * (((n + 15) / 16) * g + ((n + 3) / 4) * ((g + 3) / 4) * ((D + 63) / 64)));
+                prefetcher pf = part_prefetcher(it + nt, items, chunks, singles, rows_req, tables, bt_stride,
+                                                ctx_lens, block_size, k_cache, v_cache, row * (int64_t)sizeof(bf16_t),
+                                                Hk * (((n + 15) / 16) * g + ((n + 3) / 4) * ((g + 3) / 4) * ((D + 63) / 64)));
                 float *pb = part + it * H * pw;
                 if (tb >= te) { /* a short row's empty part: no weight in the merge */
                     for (int64_t h = 0; h < H; h++) pb[h * pw + D] = -INFINITY, pb[h * pw + D + 1] = 0.f;
@@ -373,23 +346,11 @@ static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     if (!failed)
         for (int64_t i = 0; i < B; i++)
             for (int64_t h = 0; h < H; h++) {
-                const float *p0 = part + i * chunks * H * pw + h * pw;
-                float mx = -INFINITY, wsum = 0.f;
-                for (int64_t c = 0; c < chunks; c++) mx = p0[c * H * pw + D] > mx ? p0[c * H * pw + D] : mx;
-                __m512 acc[2 * MAX_DV32];
-                for (int64_t d = 0; d < D / 16; d++) acc[d] = _mm512_setzero_ps();
-                for (int64_t c = 0; c < chunks; c++) {
-                    const float *pc = p0 + c * H * pw;
-                    if (pc[D + 1] == 0.f) continue;
-                    const float w = pc[D + 1] * expf(pc[D] - mx);
-                    wsum += w;
-                    for (int64_t d = 0; d < D / 16; d++)
-                        acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(pc + 16 * d), acc[d]);
-                }
-                const __m512 inv = _mm512_set1_ps(wsum > 0.f ? 1.f / wsum : 0.f);
-                bf16_t *o = out + rows_q[singles[i]] * out_stride + h * D;
-                for (int64_t d = 0; d < D / 16; d++)
-                    _mm256_storeu_si256((void *)(o + 16 * d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[d], inv)));
+                float o[32 * MAX_DV32];
+                merge_parts(part + i * chunks * H * pw + h * pw, chunks, H * pw, D, o);
+                bf16_t *dst = out + rows_q[singles[i]] * out_stride + h * D;
+                for (int64_t k = 0; k < D / 16; k++)
+                    _mm256_storeu_si256((void *)(dst + 16 * k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + 16 * k)));
             }
     free(part);
     return failed;
