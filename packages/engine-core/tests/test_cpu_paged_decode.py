@@ -88,8 +88,8 @@ def test_kernel_matches_torch(kernel, dtype, heads, kv_heads, head_size, block_s
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_one_request_splits_heads_across_threads(kernel, threads, dtype):
-    """One stream (the chat case) on one or two threads: by KV heads, or (bf16 with AVX512-BF16 on two
-    threads) its context split in parts; the answer is the same."""
+    """One stream (the chat case) on one or two threads: by KV heads, or (two threads) its context
+    split in parts; the answer is the same."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -266,7 +266,9 @@ def test_few_long_rows_split_their_context_across_threads(kernel, which, heads, 
     share evenly, so each kernel (the AVX512-BF16 one, and the portable one of every dtype) cuts
     each row's context into parts and merges the parts' softmaxes (flash-decoding). Peaked scores
     (a few tokens carry each head) make a wrong merge weight visible; contexts off the parts' and
-    tiles' sizes, and a short row beside a long one (some of its parts empty)."""
+    tiles' sizes, and a short row beside a long one (some of its parts empty). The decode rows sit
+    among other query rows (a prefill chunk in the same step) and read other request rows of the
+    tables, the query is a slice of a qkv row: the merge must write each row where it belongs."""
     portable = kernel.lib.paged_decode_portable_chunks
     portable.argtypes, portable.restype = [ctypes.c_int64] * 3 + [ctypes.c_int], ctypes.c_int64
     fast = which == "bf16" and _has_avx512_bf16() and head_size % 32 == 0
@@ -287,16 +289,25 @@ def test_few_long_rows_split_their_context_across_threads(kernel, which, heads, 
         block_size, nblk, scale = 16, 128, 4 * head_size**-0.5
         for contexts in ([256], [1500], [300, 2000], [2000, 17]):
             B, ctx = len(contexts), torch.tensor(contexts)
-            tables = torch.randperm(B * nblk, generator=g).view(B, nblk)
-            k_cache, v_cache = (torch.randn(B * nblk * block_size, kv_heads, head_size, generator=g).to(dtype)
+            R = B + 1  # request rows of the tables: one more than the decode rows
+            tables = torch.randperm(R * nblk, generator=g).view(R, nblk)
+            k_cache, v_cache = (torch.randn(R * nblk * block_size, kv_heads, head_size, generator=g).to(dtype)
                                 for _ in range(2))
-            query = torch.randn(B, heads * head_size, generator=g).to(dtype)
-            rows = torch.arange(B)
-            out = torch.empty(B, heads * head_size, dtype=dtype)
-            k(query, rows, rows, k_cache, v_cache, tables, ctx, out, num_heads=heads, block_size=block_size,
-              scale=scale)
-            want = _reference(query, rows, rows, k_cache, v_cache, tables, ctx, heads, block_size, scale)
-            torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol, msg=f"contexts {contexts}")
+            T, width = B + 3, heads * head_size  # query rows of other tokens between the decode rows
+            query = torch.randn(T, width + 2 * kv_heads * head_size, generator=g).to(dtype)[:, :width]
+            rows_q = torch.randperm(T, generator=g)[:B].contiguous()
+            rows_req = torch.randperm(R, generator=g)[:B].contiguous()
+            ctx_of = torch.zeros(R, dtype=torch.long)
+            ctx_of[rows_req] = ctx
+            ctx_of = ctx_of[rows_req].contiguous()  # the context belongs to the request row
+            out = torch.full((T, width), 7.0, dtype=dtype)
+            k(query, rows_q, rows_req, k_cache, v_cache, tables, ctx_of, out, num_heads=heads,
+              block_size=block_size, scale=scale)
+            want = _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx_of, heads, block_size, scale)
+            torch.testing.assert_close(out[rows_q].double(), want, atol=tol, rtol=tol, msg=f"contexts {contexts}")
+            untouched = torch.ones(T, dtype=torch.bool)
+            untouched[rows_q] = False
+            assert (out[untouched] == 7.0).all(), "the kernel wrote rows that are not decode rows"
     finally:
         torch.set_num_threads(before)
 

@@ -149,7 +149,7 @@ static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64
  * Where a step has fewer (row, KV head) items than the threads share evenly, each decode row's
  * context is cut into parts, an item is one part of one row with all its KV heads, and the
  * parts' softmaxes are merged after. */
-#define QD_CHUNK 512 /* tokens a part at most (parts a multiple of the threads) */
+#define QD_CHUNK 512 /* tokens a part at most (parts a multiple of the threads, unless QD_CHUNK_MIN caps them) */
 #define QD_CHUNK_MIN 64 /* and at least, where many threads would cut a context finer */
 #define QD_SPLIT_MIN 256 /* no split below this context: the attention is then a small part of a step */
 
@@ -271,7 +271,7 @@ int FN(                                                                         
     int failed = 0;                                                                            \
     _Pragma("omp parallel num_threads(nthreads)")                                              \
     {                                                                                          \
-        /* per thread: scores (hpi*g x max_ctx), the item's queries and accumulators */         \
+        /* per thread: scores (hpi*g x max_ctx, then 2 floats a row: ml), queries, accumulators */ \
         float *scores = malloc(sizeof(float) * (size_t)(rows_max * (max_ctx + 2)));            \
         v8f *qv = aligned_alloc(sizeof(v8f), sizeof(v8f) * (size_t)(rows_max * dv));           \
         v8f *acc = aligned_alloc(sizeof(v8f), sizeof(v8f) * (size_t)(rows_max * dv));          \
