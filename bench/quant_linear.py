@@ -26,15 +26,9 @@ from loom.attention.backends import native
 from loom.platforms import cpu_kernels
 from loom.platforms.cpu_features import native_bf16
 from loom.worker import cpu_step_replay
+from single_stream import read_bandwidth  # the same 1 GiB sum as the single-stream figures
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) of one layer
-
-
-def read_bandwidth(reps: int = 5) -> float:
-    """Bytes a second a 1 GiB torch sum reads (best of ``reps``)."""
-    x = torch.ones(2**28)
-    best = min(_timed(x.sum) for _ in range(reps))
-    return x.numel() * 4 / best
 
 
 def _timed(fn) -> float:
@@ -96,7 +90,7 @@ def main() -> None:
         times = sorted(_timed(lambda ops=ops: _replay(ops)) for _ in range(args.reps))
         med = statistics.median(times)
         rows.append((name, med, times[len(times) // 10], step_bytes / med))
-    print(f"read bandwidth (1 GiB torch sum, best of 5): {bw / 1e9:.1f} GB/s\n")
+    print(f"read bandwidth (1 GiB torch sum, best of 4): {bw / 1e9:.1f} GB/s\n")
     print("| weights | 120 calls, median | p10 | bytes read / s | of the sum's bandwidth |")
     print("|---|---|---|---|---|")
     for name, med, p10, rate in rows:

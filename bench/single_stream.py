@@ -46,7 +46,7 @@ QUESTION = "Write a short story about a robot who learns to paint."
 
 
 def read_bandwidth() -> float:
-    """Bytes/s of a 1 GiB fp32 ``torch`` sum, best of three."""
+    """Bytes/s of a 1 GiB fp32 ``torch`` sum, best of four."""
     x = torch.ones(1 << 28)
     best = float("inf")
     for _ in range(4):
