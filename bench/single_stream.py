@@ -149,8 +149,9 @@ async def stream_once(url: str, model: str, output_len: int) -> dict[str, float]
                 tok_s=len(stamps) / (stamps[-1] - start))
 
 
-def run_served(model: str | None, quantization: str, dtype: str, output_len: int, root: str) -> dict[str, float]:
-    args = ([model] if model else []) + ["--dtype", dtype, "--quantization", quantization]
+def run_served(model: str | None, quantization: str, dtype: str, output_len: int, root: str,
+               serve_args: list[str] = ()) -> dict[str, float]:
+    args = ([model] if model else []) + ["--dtype", dtype, "--quantization", quantization, *serve_args]
     proc, url, _ = start(args, os.path.join(root, f"serve-{quantization}.log"))
     try:
         wait_healthy(proc, url)
@@ -208,6 +209,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0,
                         help="also decode --output-len tokens after a prompt of this many tokens (a long chat)")
     parser.add_argument("--serve", action="store_true", help="also stream through loom serve (OpenAI client)")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="an extra flag for loom serve, e.g. --serve-arg=--no-async-scheduling (repeatable)")
     parser.add_argument("--runs", type=int, default=1,
                         help="repeat the whole table this many times (the machine's speed drifts: each run's "
                              "ratio to llama.cpp compares figures measured minutes apart) and summarize the ratios")
@@ -240,7 +243,7 @@ def main() -> None:
                     print(f"| {run} | loom offline, {args.context} context | {q} | {r['ctx_tok_s']:.1f} | "
                           f"{r['ctx_itl_p50'] * 1e3:.1f} / {r['ctx_itl_p99'] * 1e3:.1f} | | | | |", flush=True)
                 if args.serve:
-                    s = run_served(args.model, q, args.dtype, args.output_len, root)
+                    s = run_served(args.model, q, args.dtype, args.output_len, root, args.serve_arg)
                     tok_s[f"loom serve, {q}"] = s["tok_s"]
                     print(f"| {run} | loom serve (client) | {q} | {s['tok_s']:.1f} | {s['itl_p50'] * 1e3:.1f} / "
                           f"{s['itl_p99'] * 1e3:.1f} | {s['ttft']:.2f} (chat prompt) | | | "

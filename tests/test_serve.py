@@ -365,3 +365,34 @@ def test_chat_template_echo_and_penalties_across_processes(tiny_llama, tmp_path)
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
     assert r.usage.prompt_tokens == len(tokenizer.encode("Q: two plus two\nA:", add_special_tokens=False))
+
+
+def test_overlapped_steps_across_processes_give_the_tokens_of_llm(tiny_llama, tmp_path):
+    """``--async-scheduling on``: the engine core schedules each step before the worker process has
+    sampled the previous one's tokens, which the worker fills in. Three concurrent greedy streams of
+    different lengths (one ending on a stop token, one with a repetition penalty) equal ``loom.LLM``'s."""
+    model = str(tiny_llama)
+    llm = LLM(model, dtype="float32", max_model_len=256)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = llm.generate(PROMPTS[0], greedy)[0].outputs[0]
+    stop = first.token_ids[5]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop]),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]
+    want = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    bodies = [dict(stop_token_ids=[stop]), dict(repetition_penalty=1.3), {}]
+    with serving([model, "--max-model-len", "256", "--dtype", "float32", "--async-scheduling", "on"],
+                 tmp_path) as serve:
+        client = openai.OpenAI(base_url=serve.url + "/v1", api_key="none", max_retries=0)
+
+        def complete(i: int) -> str:
+            stream = client.completions.create(model=model, prompt=PROMPTS[i], max_tokens=params[i].max_tokens,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True, **bodies[i]})
+            return "".join(c.choices[0].text for c in stream if c.choices)
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(complete, range(3)))
+        log = serve.log
+    assert got == [o.text for o in want]
+    assert want[0].token_ids[-1] == stop and len(want[0].token_ids) == first.token_ids.index(stop) + 1
+    assert "steps overlapped (async scheduling)" in log

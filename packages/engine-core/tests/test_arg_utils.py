@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -32,6 +33,7 @@ FLAGS = {
     "--max-num-seqs": "max_num_seqs",
     "--max-num-batched-tokens": "max_num_batched_tokens",
     "--no-enable-chunked-prefill": "enable_chunked_prefill",
+    "--async-scheduling": "async_scheduling",
     "--custom-ops": "custom_ops",
     "--load-format": "load_format",
     "--worker-cls": "worker_cls",
@@ -139,3 +141,17 @@ def test_api_key_file_keeps_the_key_off_command_lines(tmp_path, capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["--api-key-file", str(path)])
         assert message in capsys.readouterr().err
+
+
+def test_async_scheduling_auto_overlaps_steps_only_where_the_worker_leaves_cpu_time(monkeypatch) -> None:
+    from loom.engine.arg_utils import _async_scheduling
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOOM_CPU_NUM_THREADS", raising=False)
+    assert _async_scheduling("auto", "cuda") and _async_scheduling("on", "cpu")
+    assert not _async_scheduling("auto", "cpu")  # the worker's threads take every core
+    assert not _async_scheduling("off", "cuda")
+    monkeypatch.setenv("LOOM_CPU_NUM_THREADS", str(cores))
+    assert not _async_scheduling("auto", "cpu")
+    monkeypatch.setenv("LOOM_CPU_NUM_THREADS", str(cores - 1))
+    assert _async_scheduling("auto", "cpu") == (cores > 1)

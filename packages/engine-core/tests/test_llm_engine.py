@@ -426,6 +426,7 @@ def test_the_multiproc_executor_gives_up_on_a_step_after_its_timeout():
 
     executor = MultiprocExecutor.__new__(MultiprocExecutor)  # past the start-up handshake
     executor.channel, executor.pending, executor.step_timeout = SilentWorkers(), deque(), 0.3
+    executor.answers = deque()
     started = time.monotonic()
     with pytest.raises(StepTimeoutError, match=r"run 0.3 s without the workers' output \(--step-timeout\)"):
         executor.execute_model(SchedulerOutput())
@@ -527,6 +528,7 @@ def test_the_engine_loop_leaves_the_workers_answers_to_the_executor():
 
     executor = MultiprocExecutor.__new__(MultiprocExecutor)  # past the start-up handshake
     executor.channel, executor.pending, executor.step_timeout = FastWorkers(), deque(), 2.0
+    executor.answers = deque()
     executor.num_blocks = fake.num_blocks
     engine.executor = executor
 

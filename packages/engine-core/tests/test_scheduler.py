@@ -394,8 +394,9 @@ def step(sched: Scheduler) -> SchedulerOutput:
 
 
 def fail_step(sched: Scheduler) -> SchedulerOutput:
-    """The next step fails as LLMEngine handles it: never updated, its requests isolated."""
+    """The next step fails as LLMEngine handles it: never updated (discarded), its requests isolated."""
     out = sched.schedule()
+    sched.discard(out)
     sched.isolate(r.req_id for r in out.scheduled)  # a generator, as the engine passes it
     return out
 

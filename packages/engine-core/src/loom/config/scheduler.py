@@ -10,6 +10,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one step; a longer prompt is prefilled in chunks."""
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
+    """Schedule each step while the one before runs (``loom serve`` with one worker;
+    ``--async-scheduling``)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

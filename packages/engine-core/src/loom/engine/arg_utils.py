@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,11 @@ class EngineArgs:
     max_num_seqs: int = flag(256, type=int)
     max_num_batched_tokens: int | None = flag(None, type=int)
     enable_chunked_prefill: bool = flag(True, flag="--no-enable-chunked-prefill", action="store_false")
+    async_scheduling: str = flag(
+        "auto", choices=["auto", "on", "off"],
+        help="on: with one worker, schedule the next step while a step runs (the worker does not wait for the "
+             "engine between steps); auto: on where the engine has CPU time the worker does not use (a GPU, or "
+             "CPU threads fewer than the cores)")
     custom_ops: list[str] = flag(
         default_factory=list, type=_custom_ops, help="comma-separated: all, none, +name, -name")
     load_format: str = flag(
@@ -150,6 +156,7 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            async_scheduling=_async_scheduling(self.async_scheduling, device_config.device_type),
         )
         return LoomConfig(
             model_config=model_config,
@@ -189,3 +196,17 @@ def _host_kv_cache_space(device_type: str) -> int | None:
         return int(float(space) * (1 << 30))
     except ValueError:
         raise ValueError(f"LOOM_CPU_KVCACHE_SPACE={space!r} is not a number of GiB (e.g. 4 or 0.5)") from None
+
+
+def _async_scheduling(choice: str, device_type: str) -> bool:
+    """``--async-scheduling``: ``auto`` overlaps steps where the engine core's work does not take
+    the worker's compute: the worker computes on a device, or its CPU threads leave a core free
+    (``LOOM_CPU_NUM_THREADS``). On CPU cores the worker fills, overlapping moved the engine's work
+    into the worker's steps and gained nothing (docs/decisions.md)."""
+    if choice != "auto":
+        return choice == "on"
+    if device_type != "cpu":
+        return True
+    cores = len(os.sched_getaffinity(0))
+    threads = os.environ.get("LOOM_CPU_NUM_THREADS", "")
+    return threads.isdigit() and 0 < int(threads) < cores

@@ -156,9 +156,15 @@ class BlockManager:
             request.num_cached_blocks = len(computed)
             self.prefix_queries += request.num_tokens
             self.prefix_hits += len(computed) * bs
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, total)
+        if self.enable_prefix_caching:  # not a pending token's block (overlapped steps): its token is unknown
+            self._cache_full_blocks(request, min(total, request.num_tokens))
         return True
+
+    def cache_computed(self, request: Request) -> None:
+        """Register the blocks a pending token just filled (overlapped steps), as ``allocate_slots``
+        registers every other block when its tokens are scheduled."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request, invalidate: bool = False) -> None:
         """Drop the request's references; its cached blocks stay reusable until evicted.

@@ -94,29 +94,32 @@ class EngineCore:
     def run(self, inbox: Inbox, report: Callable[[EngineOutputs], None]) -> None:
         """Step while there is work, wait for commands while there is none, until ``inbox`` says stop.
 
-        Pipelined by one step: a step's outputs are reported after the next step has started on
-        the workers (``LLMEngine.start_step``), so the workers do not wait for the report (and the
-        front end's wake-up) between two tokens. Commands are applied between steps, as in
-        :meth:`step`: after the running step finished, before the next one is scheduled. The
-        inbox is read only while no step is out: in the engine-core process the workers' answers
-        come on the same channel as the front end's frames, and only ``Executor.collect`` may take
-        them (it sets the front end's frames aside for the inbox)."""
-        engine, started = self.engine, None
+        Pipelined: a step's outputs are reported after the next step has started on the workers
+        (``LLMEngine.start_step``), so the workers do not wait for the report (and the front end's
+        wake-up) between two tokens. With ``LLMEngine.overlap`` the next step is even scheduled and
+        started before the running one is finished, so the worker finds it queued when it ends a
+        step instead of waiting for this loop's round trip; its decodes feed the tokens the
+        running step samples. Commands are applied between steps: after the oldest step finished,
+        before the next one is scheduled. While a step is out the inbox must leave the workers'
+        answers to ``Executor.collect`` (the engine-core process's ``ChannelInbox`` does)."""
+        engine = self.engine
+        in_flight = engine.in_flight
+        started = True  # whether the last iteration started a step
         while True:
             outputs: list = []
             errors: list[RequestError] = []
-            if started is not None:
-                outputs = self._finish(started, errors)
-                started = None
+            if in_flight and (not started or not engine.can_start_step()):
+                outputs = self._finish(in_flight[0][0], errors)
                 commands = inbox.get(block=False)
             else:
-                commands = inbox.get(block=not engine.has_unfinished_requests())
+                commands = inbox.get(block=not in_flight and not engine.has_unfinished_requests())
+            started = False
             try:
                 if commands is None:
                     return
                 errors.extend(self.apply(commands))
-                if engine.has_unfinished_requests():
-                    started = engine.start_step()
+                if engine.has_unfinished_requests() and engine.can_start_step():
+                    started = engine.start_step() is not None
             finally:  # the finished step's outputs reach their requests, whatever happens to the next
                 out = self._report(outputs, errors, commands or ())
                 if out is not None:

@@ -27,6 +27,9 @@ class Executor(abc.ABC):
 
     num_blocks: int
     """KV-cache blocks the workers allocated (known once the executor is built)."""
+    overlaps_steps: bool = False
+    """Whether a second step may be dispatched before the first is collected, its decodes feeding
+    ``PENDING_TOKEN`` for the tokens the first samples (the workers fill them in)."""
 
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -39,6 +42,9 @@ class Executor(abc.ABC):
     def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The output of the step :meth:`dispatch` started (waiting for it)."""
         return self.execute_model(scheduler_output)
+
+    def resume(self) -> None:
+        """After a failed step and the discarded steps behind it: the workers run steps again."""
 
     @property
     def died(self) -> bool:

@@ -9,6 +9,7 @@ The engine loop (:mod:`.core`) drives it, in the engine-core process and in-proc
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,11 +57,16 @@ class LLMEngine:
         self._arrival = itertools.count()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self._dispatch_error: Exception | None = None
+        self.in_flight: deque[tuple[SchedulerOutput, Exception | None]] = deque()
+        """Steps started on the workers and not finished yet, oldest first, each with the error its
+        dispatch raised (the step then fails when finished)."""
+        self.overlap = config.scheduler_config.async_scheduling and executor.overlaps_steps
+        """Whether the engine loop schedules a step while the one before runs (see :mod:`.core`)."""
         logger.info(
-            "Engine: %d KV-cache blocks of %d tokens (%d tokens), prefix caching %s, eos_token_id=%s",
+            "Engine: %d KV-cache blocks of %d tokens (%d tokens), prefix caching %s, eos_token_id=%s, %s",
             executor.num_blocks, cache_config.block_size, executor.num_blocks * cache_config.block_size,
             "on" if cache_config.enable_prefix_caching else "off", self.eos_token_id,
+            "steps overlapped (async scheduling)" if self.overlap else "one step at a time",
         )
 
     def _find_eos_token_id(self) -> int | None:
@@ -196,33 +202,50 @@ class LLMEngine:
         """Schedule the next step and start it on the workers (:meth:`Executor.dispatch`); None
         when there is nothing to run. :meth:`finish_step` waits for it and turns its tokens into
         outputs; in between the engine loop reports the previous step's outputs, so the workers
-        compute while the front end is told."""
+        compute while the front end is told. With :attr:`overlap`, a second step may start before
+        the first is finished (its decodes feed the tokens the first samples)."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
+            self.scheduler.discard(scheduler_output)
             return None
-        self._dispatch_error = None
+        error = None
         try:
             self.executor.dispatch(scheduler_output)
         except EngineFatalError:
+            self.scheduler.discard(scheduler_output)
             raise
         except Exception as e:  # failed like the step itself: finish_step handles it so
-            self._dispatch_error = e
+            error = e
+        self.in_flight.append((scheduler_output, error))
         return scheduler_output
 
+    def can_start_step(self) -> bool:
+        """Whether the engine loop may start another step now: none is running, or one is and
+        steps overlap (not while failed requests run alone to find the one at fault)."""
+        in_flight = self.in_flight
+        if not in_flight:
+            return True
+        # not behind a step whose dispatch failed: the worker never saw the tokens it would sample
+        return self.overlap and len(in_flight) < 2 and not self.scheduler.suspects and in_flight[0][1] is None
+
     def finish_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        """Wait for the oldest step started, ``scheduler_output``, and turn its tokens into outputs."""
         runner_output = self._execute(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generation_tokens += len(updated)
         return self.output_processor.process_outputs(updated)
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        started, dispatch_error = self.in_flight.popleft()
+        assert started is scheduler_output, "steps finish in the order they started"
         try:
-            if self._dispatch_error is not None:
-                raise self._dispatch_error
+            if dispatch_error is not None:
+                raise dispatch_error
             return self.executor.collect(scheduler_output)
         except EngineFatalError:
             raise  # nothing to retry: the engine's process ends
         except Exception as e:
+            self._discard_after(scheduler_output)
             parents = (self.output_processor.parent_of(r.req_id) for r in scheduler_output.scheduled)
             failed = sorted({p for p in parents if p is not None})
             if len(failed) > 1:
@@ -238,6 +261,23 @@ class LLMEngine:
             self.abort_request(failed, invalidate_cache=True)
             logger.error("Model step failed for request(s) %s; aborted", failed)
             raise EngineStepError(f"model step failed ({type(e).__name__}: {e})", failed) from e
+
+    def _discard_after(self, failed: SchedulerOutput) -> None:
+        """A step failed: its tokens never come, and the steps started after it (overlapped) built
+        on them; the worker answers those unrun. They are collected and their requests recomputed;
+        then the workers run steps again."""
+        self.scheduler.discard(failed)
+        while self.in_flight:
+            later, dispatch_error = self.in_flight.popleft()
+            if dispatch_error is None:
+                try:
+                    self.executor.collect(later)
+                except EngineFatalError:
+                    raise
+                except Exception:
+                    pass  # the worker's answer: unrun after a failed step
+            self.scheduler.discard(later, preempt=True)
+        self.executor.resume()
 
     # ---- stats and shutdown -----------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -4,7 +4,9 @@ Every message goes through the supervisor. At start-up it collects each rank's
 ``WorkerInfo``, sizes the KV cache from the smallest offer, and waits for every rank to
 allocate it. Each step fans the SchedulerOutput out to ``workers`` and waits for the
 driver's (rank 0) ``MODEL_OUTPUT``; frames from the front end that arrive meanwhile are
-kept for the engine loop. A step whose output does not come within ``step_timeout``
+kept for the engine loop, and the workers' answers the engine loop reads while a step runs
+(overlapped steps) are kept for ``collect``. With one worker, steps overlap: the worker
+process fills in each decode's ``PENDING_TOKEN`` (:mod:`loom.worker.proc`). A step whose output does not come within ``step_timeout``
 seconds (a worker alive, sending heartbeats, but stuck in a kernel or a collective) raises
 ``StepTimeoutError``: the engine core ends and the supervisor reports it.
 """
@@ -19,7 +21,7 @@ from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
 
 from ..config import LoomConfig
 from ..ipc.channel import Channel, Message
-from ..ipc.messages import CacheReady, InitCache, StepError, WorkerInfo
+from ..ipc.messages import CacheReady, InitCache, ResumeSteps, StepError, WorkerInfo
 from ..logger import init_logger
 from .errors import StepTimeoutError, WorkerStepError
 from .executor import Executor, size_kv_cache
@@ -30,13 +32,22 @@ T = TypeVar("T")
 
 
 class MultiprocExecutor(Executor):
+    done = 0
+    """Steps collected (or failed), counted as the workers count the EXECUTE frames they receive:
+    a StepError about an earlier step is stale."""
+
     def __init__(self, config: LoomConfig, channel: Channel, step_timeout: float | None = None) -> None:
         self.config = config
         self.channel = channel
         self.step_timeout = step_timeout or None
         """Seconds a model step may take (None: no limit)."""
         self.pending: deque[Message] = deque()
+        """Front-end frames read while waiting for the workers: the engine loop's."""
+        self.answers: deque[Message] = deque()
+        """The workers' answers the engine loop read while a step ran: ``collect``'s."""
         world = config.parallel_config.world_size
+        # Only a single worker knows every token it sampled; ranks > 0 return nothing.
+        self.overlaps_steps = world == 1
         infos: dict[int, WorkerInfo] = {}
         while len(infos) < world:
             info = self._recv_from_workers(WorkerInfo)
@@ -49,7 +60,7 @@ class MultiprocExecutor(Executor):
             ready.add(self._recv_from_workers(CacheReady).rank)
         logger.info("%d worker(s) allocated %d KV-cache blocks of %d tokens", world, self.num_blocks, block_size)
 
-    def _recv_from_workers(self, tp: type[T], timeout: float | None = None) -> T:
+    def _recv_from_workers(self, tp: type[T], timeout: float | None = None, step: int = -1) -> T:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else deadline - time.monotonic()
@@ -57,12 +68,15 @@ class MultiprocExecutor(Executor):
                 raise StepTimeoutError(
                     f"a model step has run {timeout:g} s without the workers' output (--step-timeout): a worker is "
                     "stuck in the step although its process answers; stopping the serve")
-            msg = self.channel.recv(timeout=left)
+            msg = self.answers.popleft() if self.answers else self.channel.recv(timeout=left)
             if msg is None:
                 continue
             if isinstance(msg.body, tp):
                 return msg.body
             if isinstance(msg.body, StepError):
+                if 0 <= msg.body.step < step:  # another rank's error about a step already failed
+                    logger.debug("stale step error from %s: %s", msg.src, msg.body.message)
+                    continue
                 raise WorkerStepError(f"{msg.src}: {msg.body.message}")
             self.pending.append(msg)  # front-end traffic: the engine loop handles it
 
@@ -74,4 +88,16 @@ class MultiprocExecutor(Executor):
         self.channel.send("workers", scheduler_output)
 
     def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._recv_from_workers(ModelRunnerOutput, self.step_timeout)
+        step = self.done
+        self.done += 1
+        return self._recv_from_workers(ModelRunnerOutput, self.step_timeout, step)
+
+    def resume(self) -> None:
+        self.channel.send("workers", ResumeSteps())
+
+    def set_aside(self, msg: Message) -> bool:
+        """Keep a worker's answer the engine loop read for ``collect``; False for other frames."""
+        if isinstance(msg.body, (ModelRunnerOutput, StepError)):
+            self.answers.append(msg)
+            return True
+        return False

@@ -41,6 +41,7 @@ class Request:
         "parent_id", "index", "status", "all_token_ids", "output_token_ids", "max_tokens",
         "num_computed_tokens", "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
         "logprobs", "cumulative_logprob", "stop_reason", "prompt_logprobs", "lora_request", "lora_id",
+        "num_pending",
     )
 
     def __init__(
@@ -71,7 +72,11 @@ class Request:
         mt = sampling_params.max_tokens
         self.max_tokens: int = mt if mt is not None else 1 << 62  # None: the length cap decides
         self.num_computed_tokens = 0
-        """Tokens whose KV is in the cache (or is being computed in the step just scheduled)."""
+        """Tokens whose KV is in the cache (or is being computed in the steps scheduled so far); with
+        steps overlapped it may count tokens not sampled yet (``num_pending``)."""
+        self.num_pending = 0
+        """Tokens this request samples in steps scheduled but not yet collected (overlapped steps:
+        the next step is scheduled before the previous one's tokens are known)."""
         self.num_cached_tokens = 0
         """Prompt tokens served from the prefix cache the first time it was scheduled."""
         self.block_ids: list[int] = []

@@ -18,6 +18,13 @@ that validation let through, a kernel bug met by one input): :meth:`Scheduler.is
 preempts every running request and marks the failed step's ones as suspects. Each suspect
 then runs alone, in steps of its own, until it has sampled a token; a suspect whose own
 step fails is the cause and ends with the error, the others go on as if preempted.
+
+Overlapped steps (``loom serve`` with one worker, see docs/decisions.md): the next step may be
+scheduled while the previous one runs, before its tokens are known. A request the running step
+samples counts that token in ``num_pending``; its next decode feeds ``PENDING_TOKEN``, which the
+worker replaces with the token it sampled for the request (:mod:`loom.worker.proc`). A request
+whose pending token reaches its length limit is not scheduled again; one that stops on the pending
+token (EOS, a stop token or string) has computed one token too many, which is dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from collections.abc import Iterable
 from loom_plugin_api.step import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 
 from ..config import CacheConfig, SchedulerConfig
+from ..ipc.messages import PENDING_TOKEN
 from ..logger import init_logger
 from .block_manager import BlockManager
 from .request import Request, RequestStatus
@@ -71,6 +79,9 @@ class Scheduler:
         """Requests of a failed step that must run alone until they sample (see isolate)."""
         self.isolated: Request | None = None
         """The suspect running alone now."""
+        self.in_flight: deque[tuple[SchedulerOutput, dict[str, Request]]] = deque()
+        """Each step scheduled and not yet updated or discarded, with the requests it samples: a
+        step's tokens go to the request it was scheduled for, even if its id was reused since."""
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -149,8 +160,11 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.num_pending and self._ends_on_pending(req):
+                i += 1  # the token in flight is its last: nothing more to compute
+                continue
             # 1 for a decode; the rest of the prompt for a request in chunked prefill.
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens + req.num_pending - req.num_computed_tokens, budget)
             if not self._allocate_or_preempt(req, num_new):
                 break  # req itself was preempted, and it was the last one running
             scheduled.append(self._schedule(req, num_new))
@@ -185,8 +199,18 @@ class Scheduler:
                 loras.add(req.lora_id)
         self.waiting.extendleft(reversed(passed_over))
 
+        return self._output(new_requests, scheduled)
+
+    def _output(self, new_requests: list[NewRequestData], scheduled: list[ScheduledRequest]) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []
-        return SchedulerOutput(new_requests=new_requests, scheduled=scheduled, finished_req_ids=finished)
+        out = SchedulerOutput(new_requests=new_requests, scheduled=scheduled, finished_req_ids=finished)
+        requests = self.requests
+        self.in_flight.append((out, {r.req_id: requests[r.req_id] for r in scheduled if r.sample}))
+        return out
+
+    def _ends_on_pending(self, req: Request) -> bool:
+        """Whether the request reaches a length limit with its tokens in flight."""
+        return req.num_output_tokens + req.num_pending >= req.max_tokens or req.num_tokens + req.num_pending >= self.max_len
 
     def _admit(self, req: Request, num_cached: int) -> NewRequestData:
         """A waiting request starts running (blocks allocated); what the workers are told of it."""
@@ -220,9 +244,7 @@ class Scheduler:
         else:
             num_new = min(req.num_tokens - req.num_computed_tokens, self.max_num_batched_tokens)
             self._make_room(req, num_new)
-        scheduled = [self._schedule(req, num_new)]
-        finished, self.finished_req_ids = self.finished_req_ids, []
-        return SchedulerOutput(new_requests=new_requests, scheduled=scheduled, finished_req_ids=finished)
+        return self._output(new_requests, [self._schedule(req, num_new)])
 
     def _make_room(self, req: Request, num_new: int, computed_blocks: list | None = None) -> None:
         """Allocate for the isolated request, preempting the others that ran alone before it."""
@@ -258,15 +280,48 @@ class Scheduler:
         end = start + num_new
         # Advanced now, as vLLM does: the KV of these tokens is being computed this step.
         req.num_computed_tokens = end
+        known = req.num_tokens
+        token_ids = req.all_token_ids[start:end]
+        if end > known:  # the token a step in flight samples: the worker fills it in
+            token_ids.extend([PENDING_TOKEN] * (end - max(start, known)))
+        pending = req.num_pending
+        sample = end == known + pending
+        if sample:
+            req.num_pending = pending + 1
         return ScheduledRequest(
             req_id=req.request_id,
-            token_ids=req.all_token_ids[start:end],
+            token_ids=token_ids,
             num_computed_tokens=start,
             block_ids=req.block_ids,
-            sample=end == req.num_tokens,
-            num_output_tokens=req.num_output_tokens,
+            sample=sample,
+            num_output_tokens=req.num_output_tokens + pending,
             lora_id=req.lora_id,
         )
+
+    def _take(self, scheduler_output: SchedulerOutput) -> dict[str, Request] | None:
+        """The requests ``scheduler_output`` samples, as recorded when it was scheduled; each one's
+        pending token is in (or dropped). Older records (steps never updated) are dropped."""
+        in_flight = self.in_flight
+        while in_flight:
+            out, sampled = in_flight.popleft()
+            for req in sampled.values():
+                req.num_pending -= 1
+            if out is scheduler_output:
+                return sampled
+        return None
+
+    def discard(self, scheduler_output: SchedulerOutput, preempt: bool = False) -> None:
+        """A step that failed or was skipped: its tokens will never come. ``preempt``: its requests
+        that still run go back to waiting, to be recomputed (the step's KV was never written)."""
+        self._take(scheduler_output)
+        if not preempt:
+            return
+        requests = self.requests
+        victims = [requests[r.req_id] for r in scheduler_output.scheduled if r.req_id in requests]
+        victims = [r for r in victims if r.status == RequestStatus.RUNNING]
+        for req in sorted(victims, key=_arrival, reverse=True):
+            self.running.remove(req)
+            self._preempt(req, invalidate=True)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -279,26 +334,33 @@ class Scheduler:
         updated: list[Request] = []
         any_finished = False
         logprobs = model_runner_output.logprobs
-        requests = self.requests
+        requests = self._take(scheduler_output)
+        if requests is None:  # not scheduled by this scheduler (tests): by id
+            requests = self.requests
         for chunk in model_runner_output.prompt_logprobs:
-            req = requests.get(chunk.req_id)
+            req = self.requests.get(chunk.req_id)
             if req is not None:
                 req.prompt_logprobs.append(chunk)
         for k, req_id in enumerate(model_runner_output.req_ids):
             req = requests.get(req_id)
-            if req is None:  # aborted while the step ran
+            if req is None or req.is_finished:  # aborted or stopped while the step ran
                 continue
             token_id = model_runner_output.sampled_token_ids[k]
             if req is self.isolated:  # it ran alone and sampled: not the one at fault
                 self.suspects.discard(req_id)
                 self.isolated = None
             req.append_output_token(token_id)
+            if req.num_computed_tokens >= req.num_tokens:  # the token's own KV is computed: a step fed it pending
+                self.block_manager.cache_computed(req)
             if logprobs is not None:
                 lp = logprobs[k]
                 if lp is not None:
                     req.logprobs.append(lp)
                     req.cumulative_logprob += lp.logprob
+            waiting = req.status != RequestStatus.RUNNING  # preempted while the step ran
             if self._check_stop(req, token_id):
+                if waiting:
+                    self.waiting.remove(req)
                 self._free(req)
                 any_finished = True
             updated.append(req)

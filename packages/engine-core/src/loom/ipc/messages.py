@@ -19,6 +19,7 @@ CACHE_READY        worker:r -> engine_core  CacheReady (cache allocated)
 EXECUTE            engine_core -> workers   SchedulerOutput
 MODEL_OUTPUT       worker:0 -> engine_core  ModelRunnerOutput
 STEP_ERROR         worker:r -> engine_core  StepError
+RESUME_STEPS       engine_core -> workers   ResumeSteps (after a failed step)
 SHUTDOWN           supervisor -> frontend   Shutdown (drain, then exit 0)
 PEER_DIED          supervisor -> frontend   loom_supervisor.client.PeerDied
 =================  =======================  ==============================================
@@ -36,7 +37,11 @@ from ..outputs import RequestOutput
 from ..stats import EngineStats
 from .codec import decode, encode
 
-MESSAGES_VERSION = 4  # 4: LoRA requests (AddRequest.lora_request, the step types' adapters)
+MESSAGES_VERSION = 5  # 5: overlapped steps (PENDING_TOKEN in EXECUTE, RESUME_STEPS); 4: LoRA requests
+
+PENDING_TOKEN = -1
+"""In an EXECUTE's token ids: the token the step before sampled for this request, not known when
+the engine scheduled this one (overlapped steps); the worker process puts it in."""
 
 
 class Kind(str, enum.Enum):
@@ -52,6 +57,7 @@ class Kind(str, enum.Enum):
     EXECUTE = "EXECUTE"
     MODEL_OUTPUT = "MODEL_OUTPUT"
     STEP_ERROR = "STEP_ERROR"
+    RESUME_STEPS = "RESUME_STEPS"
     # from the supervisor (its own wire names)
     SHUTDOWN = "SHUTDOWN"
     PEER_DIED = "PEER_DIED"
@@ -116,6 +122,16 @@ class CacheReady:
 class StepError:
     rank: int
     message: str
+    step: int = -1
+    """Which EXECUTE failed, counted by the worker from 0 (-1: not known): a rank's error about a
+    step the engine already finished is stale, not the next step's."""
+
+
+@dataclass(slots=True, kw_only=True)
+class ResumeSteps:
+    """After a failed step a worker answers every EXECUTE with a StepError, unrun, until this: the
+    steps the engine scheduled before it knew of the failure build on the failed one's tokens and
+    KV; the engine discards them, then sends this."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -134,6 +150,7 @@ BODY_TYPES: dict[Kind, type] = {
     Kind.EXECUTE: SchedulerOutput,
     Kind.MODEL_OUTPUT: ModelRunnerOutput,
     Kind.STEP_ERROR: StepError,
+    Kind.RESUME_STEPS: ResumeSteps,
 }
 """The structs peers exchange, by kind (SHUTDOWN and PEER_DIED come from the supervisor)."""
 
@@ -143,8 +160,8 @@ SUPERVISOR_KINDS: dict[Kind, type | None] = {Kind.SHUTDOWN: Shutdown, Kind.PEER_
 KIND_OF: dict[type, Kind] = {tp: kind for kind, tp in BODY_TYPES.items()}
 
 __all__ = [
-    "BODY_TYPES", "KIND_OF", "MESSAGES_VERSION", "SUPERVISOR_KINDS", "AbortRequests", "AddRequest", "CacheReady", "EngineOutputs",
-    "EngineReady", "InitCache", "Kind", "RequestError", "Shutdown", "StepError", "WorkerInfo", "decode",
+    "BODY_TYPES", "KIND_OF", "MESSAGES_VERSION", "PENDING_TOKEN", "SUPERVISOR_KINDS", "AbortRequests", "AddRequest", "CacheReady", "EngineOutputs",
+    "EngineReady", "InitCache", "Kind", "RequestError", "ResumeSteps", "Shutdown", "StepError", "WorkerInfo", "decode",
     "decode_body", "encode", "kind_of",
 ]
 

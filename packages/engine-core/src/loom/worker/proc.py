@@ -7,6 +7,12 @@ name and build it with the engine's ``WorkerServices``, ``init_device``, ``load_
 the platform's ``update_block_size_for_backend``, report memory to the engine core,
 allocate the KV cache it sizes, freeze the environment, READY. Then run every EXECUTE it
 is sent, until the supervisor's stop signal (SIGUSR1), and ``shutdown``.
+
+Overlapped steps: the engine schedules a step before it knows the tokens of the one before,
+so a decode may carry ``PENDING_TOKEN``; this process remembers the token it last sampled for
+each request and puts it in before the worker sees the step (a platform's worker never sees a
+placeholder). After a step fails, the steps already queued behind it build on its tokens: each
+is answered with a StepError, unrun, until the engine's RESUME_STEPS.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from loom_plugin_api.step import SchedulerOutput
 from .. import envs
 from ..gc_heap import freeze_long_lived
 from ..ipc.channel import Channel
-from ..ipc.messages import CacheReady, InitCache, StepError
+from ..ipc.messages import CacheReady, InitCache, ResumeSteps, StepError
 from ..logger import init_logger
 from ..platforms import current_platform  # noqa: F401 - importing it resolves the platform, before any plugin
+from .sampled_tokens import SampledTokens
 from .startup import allocate, build_worker, offer
 
 logger = init_logger("loom.worker")
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     # let the worker release its device (the last call of the lifecycle).
     signal.signal(signal.SIGUSR1, _exit_on_stop_signal)
     try:
-        _serve_steps(channel, worker, rank)
+        _serve_steps(channel, worker, rank, config.parallel_config.world_size)
     finally:
         worker.shutdown()
         logger.info("Worker rank %d shut down", rank)
@@ -71,18 +78,34 @@ def _recv(channel: Channel, tp: type[InitCache]) -> InitCache:
             return msg.body
 
 
-def _serve_steps(channel: Channel, worker: WorkerBase, rank: int) -> None:
+def _serve_steps(channel: Channel, worker: WorkerBase, rank: int, world_size: int) -> None:
+    tokens = SampledTokens()
+    step = -1  # EXECUTE frames received: every rank receives every step
+    failed = False  # a step failed: skip the queued ones until RESUME_STEPS (one worker: steps overlap)
     while True:
         msg = channel.recv()
-        if msg is None or not isinstance(msg.body, SchedulerOutput):
+        if msg is None:
+            continue
+        body = msg.body
+        if isinstance(body, ResumeSteps):
+            failed = False
+            continue
+        if not isinstance(body, SchedulerOutput):
+            continue
+        step += 1
+        if failed:
+            channel.send("engine_core", StepError(rank=rank, message="not run: a step before it failed", step=step))
             continue
         try:
-            output = worker.execute_model(msg.body)
+            tokens.fill(body)
+            output = worker.execute_model(body)
         except Exception as e:  # the engine core aborts the step's requests and goes on
             logger.error("Worker rank %d step failed:\n%s", rank, traceback.format_exc())
-            channel.send("engine_core", StepError(rank=rank, message=f"{type(e).__name__}: {e}"))
+            failed = world_size == 1
+            channel.send("engine_core", StepError(rank=rank, message=f"{type(e).__name__}: {e}", step=step))
             continue
         if output is not None:
+            tokens.record(output)
             channel.send("engine_core", output)
 
 
