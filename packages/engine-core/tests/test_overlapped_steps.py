@@ -10,6 +10,8 @@ Every test compares the overlapped loop with the engine stepped one step at a ti
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections import deque
 from collections.abc import Callable
 
@@ -20,7 +22,7 @@ from loom.ipc import codec, messages
 from loom.ipc.messages import PENDING_TOKEN, AbortRequests, AddRequest
 from loom.worker.sampled_tokens import SampledTokens
 from loom_plugin_api import SamplingParams
-from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
+from loom_plugin_api.step import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from test_llm_engine import FakeExecutor, ScriptedInbox, generate, make_engine, random_prompts
 
 
@@ -41,6 +43,7 @@ class OverlapWorker(FakeExecutor):
         self.log: list[str] = []
         self.pending_fed = 0
         self.sampled: dict[str, int] = {}
+        self.finished_seen: list[str] = []
 
     def dispatch(self, out: SchedulerOutput) -> None:
         self.log.append("dispatch")
@@ -52,6 +55,7 @@ class OverlapWorker(FakeExecutor):
         if self.failed:
             raise RuntimeError("not run: a step before it failed")
         self.pending_fed += sum(r.token_ids[-1:] == [PENDING_TOKEN] for r in step.scheduled)
+        self.finished_seen += step.finished_req_ids
         for req_id in step.finished_req_ids:
             self.sampled.pop(req_id, None)
         for r in step.scheduled:  # what the sampler's min_tokens reads: the tokens sampled before this one
@@ -267,6 +271,91 @@ def test_a_failed_step_of_one_request_ends_it_and_recomputes_the_step_behind_it(
     assert list(errors) == ["0"] and "device lost" in errors["0"]
     assert got == {"1": want["0"]}
     assert engine.get_stats().num_preemptions == 2  # both, from the step behind: 1 recomputed, 0 then ended
+
+
+def cached_blocks_hold_their_tokens(engine: LLMEngine) -> bool:
+    """Every block in the prefix cache holds, in the fake worker's K/V, the tokens it is cached for."""
+    bm, kv = engine.block_manager, engine.executor.kv
+    return all(kv[b] == list(bm.block_tokens[b][1:]) for b in bm.cached.values())
+
+
+def fail_at_step(k: int) -> Callable[[SchedulerOutput], bool]:
+    """A worker's ``fail``: the k-th step it runs (from 0) fails."""
+    steps = itertools.count()
+    return lambda step: next(steps) == k
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_failures_under_preemption_with_stops_and_an_abort(seed):
+    """A step fails at each point of a run on a pool too small for everyone (preemptions with steps
+    out), one request stops on a token, one is aborted: every other request gets the tokens of
+    steps one at a time, the failed step's lone request (if it ran alone) the error, and no block
+    in the prefix cache is one a failed step never wrote."""
+    rng = random.Random(seed)
+    prompts = random_prompts(6, seed=seed, lo=3, hi=20, shared=rng.choice([0, 4, 8]))
+    params = [SamplingParams(max_tokens=rng.randint(2, 12), ignore_eos=True, seed=i) for i in range(6)]
+    first = reference(prompts, params, budget=16)["1"][0]
+    if len(first) > 2 and first[1] != first[0]:
+        params[1] = SamplingParams(max_tokens=params[1].max_tokens, ignore_eos=True, seed=1, stop_token_ids=[first[1]])
+    want = reference(prompts, params, budget=16)
+    for fail_at, num_blocks in itertools.product(range(12), (10, 14)):
+        engine = overlapped(fail=fail_at_step(fail_at), num_blocks=num_blocks, budget=16, max_model_len=48)
+        got, errors = serve(engine, prompts, params, script={rng.randint(2, 10): [AbortRequests(request_ids=["5"])]})
+        assert len(errors) <= 1 and all("device lost" in m for m in errors.values())
+        for i, tokens in got.items():
+            assert tokens == want[i] or i == "5" and tokens[0] == want[i][0][:len(tokens[0])], (fail_at, num_blocks, i)
+        assert set(got) | set(errors) | {"5"} == set(want)
+        assert cached_blocks_hold_their_tokens(engine), (fail_at, num_blocks)
+
+
+def test_finished_ids_of_a_step_answered_unrun_reach_the_worker_later():
+    """Request 0 ends; the step that would tell the worker is answered unrun (a step before it failed):
+    the worker still hears of it, with the next step that runs."""
+    prompts = random_prompts(3, seed=1, lo=6, hi=6)
+    params = [SamplingParams(max_tokens=1, ignore_eos=True)] + [SamplingParams(max_tokens=6, ignore_eos=True)] * 2
+    steps = itertools.count()
+    engine = overlapped(fail=lambda step: next(steps) == 1 and not step.finished_req_ids)
+    later = AddRequest(request_id="z", prompt=None, prompt_token_ids=prompts[1], sampling_params=params[1])
+    got, _ = serve(engine, prompts, params, script={12: [later]})
+    assert "0" in got and "0" in engine.executor.finished_seen and "0" not in engine.executor.seeds
+
+
+class PromptLogprobsWorker(OverlapWorker):
+    """Also scores the prompt, chunk by chunk, as the worker's prompt-logprobs service does."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.scored: dict[str, list[int]] = {}  # request -> [prompt length, positions scored]
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in out.finished_req_ids:
+            self.scored.pop(req_id, None)
+        for n in out.new_requests:
+            if n.sampling_params.prompt_logprobs is not None and n.req_id not in self.scored:
+                self.scored[n.req_id] = [len(n.prompt_token_ids), 0]
+        output = super().execute_model(out)
+        for r in out.scheduled:
+            state = self.scored.get(r.req_id)
+            if state is None:
+                continue
+            lo, hi = state[1], min(r.num_computed_tokens + len(r.token_ids), state[0] - 1)
+            if lo < hi:
+                k = hi - lo
+                output.prompt_logprobs.append(PromptLogprobs(req_id=r.req_id, start=lo + 1, logprobs=[-1.0] * k,
+                                                             ranks=[1] * k, top_token_ids=[[]] * k,
+                                                             top_logprobs=[[]] * k))
+                state[1] = hi
+        return output
+
+
+def test_an_id_reused_while_its_prompt_logprobs_chunk_is_out_gets_only_its_own():
+    prompt = random_prompts(1, seed=1, lo=40, hi=40)[0]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=0)
+    engine = overlapped(budget=8)  # five prefill chunks
+    engine.executor = PromptLogprobsWorker(engine.executor.num_blocks)
+    again = AddRequest(request_id="0", prompt=None, prompt_token_ids=prompt, sampling_params=params)
+    got, errors = serve(engine, [prompt], [params], script={4: [AbortRequests(request_ids=["0"]), again]})
+    assert errors == {} and len(got["0"][0]) >= 3
 
 
 def test_the_worker_fills_each_pending_token_with_the_last_token_it_sampled():

@@ -166,6 +166,18 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
 
+    def forget(self, block_ids: Sequence[int]) -> None:
+        """Blocks a failed step was to write leave the prefix cache, those no request holds now (a
+        holder is preempted or ended with ``invalidate``, which drops them when it lets go)."""
+        for block_id in block_ids:
+            h = self.block_hash[block_id]
+            if self.ref_cnt[block_id] == 0 and h is not None:
+                if self.cached.get(h) == block_id:
+                    del self.cached[h]
+                self.block_hash[block_id] = None
+                self.block_tokens[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
+
     def free(self, request: Request, invalidate: bool = False) -> None:
         """Drop the request's references; its cached blocks stay reusable until evicted.
 

@@ -80,8 +80,8 @@ class Scheduler:
         self.isolated: Request | None = None
         """The suspect running alone now."""
         self.in_flight: deque[tuple[SchedulerOutput, dict[str, Request]]] = deque()
-        """Each step scheduled and not yet updated or discarded, with the requests it samples: a
-        step's tokens go to the request it was scheduled for, even if its id was reused since."""
+        """Each step scheduled and not yet updated or discarded, with its requests: a step's tokens
+        (and prompt logprobs) go to the request it was scheduled for, even if its id was reused since."""
 
     # ---- requests in and out ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -205,7 +205,7 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, []
         out = SchedulerOutput(new_requests=new_requests, scheduled=scheduled, finished_req_ids=finished)
         requests = self.requests
-        self.in_flight.append((out, {r.req_id: requests[r.req_id] for r in scheduled if r.sample}))
+        self.in_flight.append((out, {r.req_id: requests[r.req_id] for r in scheduled}))
         return out
 
     def _ends_on_pending(self, req: Request) -> bool:
@@ -299,26 +299,33 @@ class Scheduler:
         )
 
     def _take(self, scheduler_output: SchedulerOutput) -> dict[str, Request] | None:
-        """The requests ``scheduler_output`` samples, as recorded when it was scheduled; each one's
-        pending token is in (or dropped). Older records (steps never updated) are dropped."""
+        """The requests of ``scheduler_output``, as recorded when it was scheduled; the tokens it
+        samples are in (or dropped). Older records (steps never updated) are dropped."""
         in_flight = self.in_flight
         while in_flight:
-            out, sampled = in_flight.popleft()
-            for req in sampled.values():
-                req.num_pending -= 1
+            out, requests = in_flight.popleft()
+            for r in out.scheduled:
+                if r.sample:
+                    requests[r.req_id].num_pending -= 1
             if out is scheduler_output:
-                return sampled
+                return requests
         return None
 
     def discard(self, scheduler_output: SchedulerOutput, preempt: bool = False) -> None:
-        """A step that failed or was skipped: its tokens will never come. ``preempt``: its requests
-        that still run go back to waiting, to be recomputed (the step's KV was never written)."""
-        self._take(scheduler_output)
+        """A step that failed or was answered unrun: its tokens will never come, and the K/V it was
+        to write never was. ``preempt``: its requests that still run go back to waiting, to be
+        recomputed. Blocks it was to fill leave the prefix cache where no request holds them now
+        (a request preempted, stopped or aborted while the step was out freed them as written);
+        the finished ids it carried go to the workers again."""
+        requests = self._take(scheduler_output) or {}
+        self.finished_req_ids[:0] = scheduler_output.finished_req_ids  # a worker may not have seen them
+        bs = self.block_size
+        for r in scheduler_output.scheduled:
+            end = r.num_computed_tokens + len(r.token_ids)
+            self.block_manager.forget(r.block_ids[r.num_computed_tokens // bs:-(-end // bs)])
         if not preempt:
             return
-        requests = self.requests
-        victims = [requests[r.req_id] for r in scheduler_output.scheduled if r.req_id in requests]
-        victims = [r for r in victims if r.status == RequestStatus.RUNNING]
+        victims = [req for req in requests.values() if req.status == RequestStatus.RUNNING]
         for req in sorted(victims, key=_arrival, reverse=True):
             self.running.remove(req)
             self._preempt(req, invalidate=True)
@@ -338,8 +345,8 @@ class Scheduler:
         if requests is None:  # not scheduled by this scheduler (tests): by id
             requests = self.requests
         for chunk in model_runner_output.prompt_logprobs:
-            req = self.requests.get(chunk.req_id)
-            if req is not None:
+            req = requests.get(chunk.req_id)
+            if req is not None and not req.is_finished:
                 req.prompt_logprobs.append(chunk)
         for k, req_id in enumerate(model_runner_output.req_ids):
             req = requests.get(req_id)
