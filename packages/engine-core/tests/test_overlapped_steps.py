@@ -376,14 +376,20 @@ def test_the_worker_fills_each_pending_token_with_the_last_token_it_sampled():
 
 def test_a_rank_s_error_about_a_step_already_failed_is_not_the_next_step_s():
     """Tensor parallel: every rank that fails a step says so; the second rank's error arrives after
-    the engine has moved on and must not fail the next step."""
+    the engine has moved on and must not fail the next step. And rank 0 answers every step: when
+    another rank failed, rank 0's output of that step is not taken for the next step's."""
     from loom.engine.multiproc_executor import MultiprocExecutor
     from loom.ipc.channel import Message
     from loom.ipc.messages import Kind, StepError
 
     ok = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[3])
+    late = ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[4])
     frames = deque([Message("worker:0", Kind.STEP_ERROR, StepError(rank=0, message="boom", step=0)),
                     Message("worker:1", Kind.STEP_ERROR, StepError(rank=1, message="boom", step=0)),
+                    Message("worker:0", Kind.MODEL_OUTPUT, ok),
+                    # rank 1 fails step 2 after rank 0's part of it: rank 0's output still comes, for step 2
+                    Message("worker:1", Kind.STEP_ERROR, StepError(rank=1, message="late boom", step=2)),
+                    Message("worker:0", Kind.MODEL_OUTPUT, late),
                     Message("worker:0", Kind.MODEL_OUTPUT, ok)])
 
     class Channel:
@@ -395,3 +401,6 @@ def test_a_rank_s_error_about_a_step_already_failed_is_not_the_next_step_s():
     with pytest.raises(Exception, match="worker:0: boom"):
         executor.collect(SchedulerOutput())
     assert executor.collect(SchedulerOutput()) is ok
+    with pytest.raises(Exception, match="worker:1: late boom"):
+        executor.collect(SchedulerOutput())  # takes rank 0's output of step 2 with it
+    assert executor.collect(SchedulerOutput()) is ok and not frames

@@ -61,7 +61,11 @@ class MultiprocExecutor(Executor):
         logger.info("%d worker(s) allocated %d KV-cache blocks of %d tokens", world, self.num_blocks, block_size)
 
     def _recv_from_workers(self, tp: type[T], timeout: float | None = None, step: int = -1) -> T:
+        """The next ``tp`` from the workers. For a step (``step`` >= 0): rank 0 answers every step
+        once (its output or its StepError), another rank only when it fails; a failure of another
+        rank is raised once rank 0 has answered too, so that answer is not taken for the next step's."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        failed: StepError | None = None
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -72,12 +76,17 @@ class MultiprocExecutor(Executor):
             if msg is None:
                 continue
             if isinstance(msg.body, tp):
+                if failed is not None:
+                    raise WorkerStepError(f"worker:{failed.rank}: {failed.message}")
                 return msg.body
             if isinstance(msg.body, StepError):
                 if 0 <= msg.body.step < step:  # another rank's error about a step already failed
                     logger.debug("stale step error from %s: %s", msg.src, msg.body.message)
                     continue
-                raise WorkerStepError(f"{msg.src}: {msg.body.message}")
+                if step >= 0 and msg.body.rank != 0:
+                    failed = failed or msg.body  # rank 0's answer to this step is still to come
+                    continue
+                raise WorkerStepError(f"worker:{(failed or msg.body).rank}: {(failed or msg.body).message}")
             self.pending.append(msg)  # front-end traffic: the engine loop handles it
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
