@@ -227,14 +227,17 @@ def main() -> None:
     print("| run | engine | weights | tok/s | ITL p50 / p99 (ms) | TTFT (s) | bytes read per token | bound tok/s | "
           "of bound |\n|---|---|---|---|---|---|---|---|---|")
     ratios: dict[str, list[float]] = {}
+    gap_ratios: dict[str, list[float]] = {}  # llama.cpp's ITL p50 over loom's: the goal's measure
     with tempfile.TemporaryDirectory() as root:
         for run in range(1, args.runs + 1):
             bandwidth = read_bandwidth()
             tok_s: dict[str, float] = {}
+            itl: dict[str, float] = {}
             for q in args.quantization:
                 r = run_loom(args.model, q, args.dtype, args.output_len, args.prompt_len, args.context)
                 bound = bandwidth / r["weight_bytes"]
                 tok_s[f"loom offline, {q}"] = r["tok_s"]
+                itl[f"loom offline, {q}"] = r["itl_p50"]
                 print(f"| {run} | loom offline | {q} | {r['tok_s']:.1f} | {r['itl_p50'] * 1e3:.1f} / "
                       f"{r['itl_p99'] * 1e3:.1f} | {r['ttft']:.2f} | {r['weight_bytes'] / 1e6:.0f} MB | "
                       f"{bound:.0f} ({bandwidth / 1e9:.0f} GB/s) | {r['tok_s'] / bound:.0%} |", flush=True)
@@ -245,6 +248,7 @@ def main() -> None:
                 if args.serve:
                     s = run_served(args.model, q, args.dtype, args.output_len, root, args.serve_arg)
                     tok_s[f"loom serve, {q}"] = s["tok_s"]
+                    itl[f"loom serve, {q}"] = s["itl_p50"]
                     print(f"| {run} | loom serve (client) | {q} | {s['tok_s']:.1f} | {s['itl_p50'] * 1e3:.1f} / "
                           f"{s['itl_p99'] * 1e3:.1f} | {s['ttft']:.2f} (chat prompt) | | | "
                           f"{1 / s['itl_p50'] / bound:.0%} (p50) |", flush=True)
@@ -260,9 +264,14 @@ def main() -> None:
                       f"{peer['ctx_itl_p50'] * 1e3:.1f} / {peer['ctx_itl_p99'] * 1e3:.1f} | | | | |", flush=True)
             for name, value in tok_s.items():
                 ratios.setdefault(name, []).append(value / peer["ctx_tok_s" if "context" in name else "tok_s"])
-    if ratios:
-        print("\n| loom / llama.cpp, tok/s in the same run | each run | min | median | max |\n|---|---|---|---|---|")
-        for name, values in ratios.items():
+            for name, value in itl.items():
+                gap_ratios.setdefault(name, []).append(peer["itl_p50"] / value)
+    for title, table in (("loom / llama.cpp, tok/s in the same run", ratios),
+                         ("llama.cpp / loom, ITL p50 in the same run (a token's median gap)", gap_ratios)):
+        if not table:
+            continue
+        print(f"\n| {title} | each run | min | median | max |\n|---|---|---|---|---|")
+        for name, values in table.items():
             print(f"| {name} | {' '.join(f'{v:.2f}x' for v in values)} | {min(values):.2f}x | "
                   f"{statistics.median(values):.2f}x | {max(values):.2f}x |")
 
