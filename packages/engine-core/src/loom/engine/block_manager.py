@@ -146,10 +146,7 @@ class BlockManager:
             block_id, _ = self.free_queue.popitem(last=False)
             h = self.block_hash[block_id]
             if h is not None:  # evict: the block gets new contents
-                if self.cached.get(h) == block_id:
-                    del self.cached[h]
-                self.block_hash[block_id] = None
-                self.block_tokens[block_id] = None
+                self._uncache(block_id, h)
             ref_cnt[block_id] = 1
             block_ids.append(block_id)
         if new_computed_blocks is not None and self.enable_prefix_caching:
@@ -172,11 +169,15 @@ class BlockManager:
         for block_id in block_ids:
             h = self.block_hash[block_id]
             if self.ref_cnt[block_id] == 0 and h is not None:
-                if self.cached.get(h) == block_id:
-                    del self.cached[h]
-                self.block_hash[block_id] = None
-                self.block_tokens[block_id] = None
+                self._uncache(block_id, h)
                 self.free_queue.move_to_end(block_id, last=False)
+
+    def _uncache(self, block_id: int, h: int) -> None:
+        """The block, registered under ``h``, leaves the prefix cache."""
+        if self.cached.get(h) == block_id:
+            del self.cached[h]
+        self.block_hash[block_id] = None
+        self.block_tokens[block_id] = None
 
     def free(self, request: Request, invalidate: bool = False) -> None:
         """Drop the request's references; its cached blocks stay reusable until evicted.
@@ -194,10 +195,7 @@ class BlockManager:
                 free_queue[block_id] = None
                 h = self.block_hash[block_id]
                 if invalidate and h is not None:
-                    if self.cached.get(h) == block_id:
-                        del self.cached[h]
-                    self.block_hash[block_id] = None
-                    self.block_tokens[block_id] = None
+                    self._uncache(block_id, h)
                 if self.block_hash[block_id] is None:
                     # Nothing to keep in it: reuse it before any cached block.
                     free_queue.move_to_end(block_id, last=False)

@@ -49,10 +49,9 @@ class ChannelInbox:
         if kept:
             kept.clear()
         msg = self.channel.recv(timeout=None if block and not messages else 0)
-        set_aside = getattr(self.executor, "set_aside", None)
         while msg is not None:
             # a worker's answer to a step still out (overlapped steps): the executor's
-            if set_aside is None or not set_aside(msg):
+            if not self.executor.set_aside(msg):
                 messages.append(msg)
             msg = self.channel.recv(timeout=0)
         return [cmd for cmd in map(self._command, messages) if cmd is not None]

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from loom_plugin_api.step import ModelRunnerOutput, SchedulerOutput
 
 from ..config import LoomConfig
 from ..ipc.messages import WorkerInfo
+
+if TYPE_CHECKING:  # the in-process executors never read a channel
+    from ..ipc.channel import Message
 
 
 class Executor(abc.ABC):
@@ -45,6 +49,11 @@ class Executor(abc.ABC):
 
     def resume(self) -> None:
         """After a failed step and the discarded steps behind it: the workers run steps again."""
+
+    def set_aside(self, msg: Message) -> bool:
+        """Keep a worker's answer that the engine loop's inbox read while a step was out, for
+        :meth:`collect`; False for any other frame (and where answers do not share the inbox)."""
+        return False
 
     @property
     def died(self) -> bool:

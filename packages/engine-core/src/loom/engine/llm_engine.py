@@ -206,7 +206,6 @@ class LLMEngine:
         the first is finished (its decodes feed the tokens the first samples)."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_req_ids:
-            self.scheduler.discard(scheduler_output)
             return None
         error = None
         try:
@@ -231,11 +230,13 @@ class LLMEngine:
     def finish_step(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         """Wait for the oldest step started, ``scheduler_output``, and turn its tokens into outputs."""
         runner_output = self._execute(scheduler_output)
+        if runner_output is None:  # failed, and discarded: its requests run again
+            return []
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generation_tokens += len(updated)
         return self.output_processor.process_outputs(updated)
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         started, dispatch_error = self.in_flight.popleft()
         assert started is scheduler_output, "steps finish in the order they started"
         try:
@@ -254,7 +255,7 @@ class LLMEngine:
                 logger.warning("Model step of %d requests failed (%s: %s); running each alone to find the one "
                                "that caused it", len(failed), type(e).__name__, e)
                 self.scheduler.isolate(r.req_id for r in scheduler_output.scheduled)
-                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+                return None
             # The request cannot go on (its KV is incomplete); end it so the engine keeps
             # serving everyone else. The message goes to its client: no other request in it.
             failed = sorted({*failed, *self._refuse_broken_loras(scheduler_output, e)})

@@ -6,8 +6,9 @@ allocate it. Each step fans the SchedulerOutput out to ``workers`` and waits for
 driver's (rank 0) ``MODEL_OUTPUT``; frames from the front end that arrive meanwhile are
 kept for the engine loop, and the workers' answers the engine loop reads while a step runs
 (overlapped steps) are kept for ``collect``. With one worker, steps overlap: the worker
-process fills in each decode's ``PENDING_TOKEN`` (:mod:`loom.worker.proc`). A step whose output does not come within ``step_timeout``
-seconds (a worker alive, sending heartbeats, but stuck in a kernel or a collective) raises
+process fills in each decode's ``PENDING_TOKEN`` (:mod:`loom.worker.proc`). A step whose output
+does not come within ``step_timeout`` seconds (a worker alive, sending heartbeats, but stuck in
+a kernel or a collective) raises
 ``StepTimeoutError``: the engine core ends and the supervisor reports it.
 """
 
@@ -83,10 +84,10 @@ class MultiprocExecutor(Executor):
                 if 0 <= msg.body.step < step:  # another rank's error about a step already failed
                     logger.debug("stale step error from %s: %s", msg.src, msg.body.message)
                     continue
+                failed = failed or msg.body
                 if step >= 0 and msg.body.rank != 0:
-                    failed = failed or msg.body  # rank 0's answer to this step is still to come
-                    continue
-                raise WorkerStepError(f"worker:{(failed or msg.body).rank}: {(failed or msg.body).message}")
+                    continue  # rank 0's answer to this step is still to come
+                raise WorkerStepError(f"worker:{failed.rank}: {failed.message}")
             self.pending.append(msg)  # front-end traffic: the engine loop handles it
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -105,7 +106,6 @@ class MultiprocExecutor(Executor):
         self.channel.send("workers", ResumeSteps())
 
     def set_aside(self, msg: Message) -> bool:
-        """Keep a worker's answer the engine loop read for ``collect``; False for other frames."""
         if isinstance(msg.body, (ModelRunnerOutput, StepError)):
             self.answers.append(msg)
             return True

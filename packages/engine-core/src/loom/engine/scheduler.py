@@ -204,8 +204,9 @@ class Scheduler:
     def _output(self, new_requests: list[NewRequestData], scheduled: list[ScheduledRequest]) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []
         out = SchedulerOutput(new_requests=new_requests, scheduled=scheduled, finished_req_ids=finished)
-        requests = self.requests
-        self.in_flight.append((out, {r.req_id: requests[r.req_id] for r in scheduled}))
+        if scheduled:  # a step of no request samples nothing: no record
+            requests = self.requests
+            self.in_flight.append((out, {r.req_id: requests[r.req_id] for r in scheduled}))
         return out
 
     def _ends_on_pending(self, req: Request) -> bool:
@@ -298,18 +299,17 @@ class Scheduler:
             lora_id=req.lora_id,
         )
 
-    def _take(self, scheduler_output: SchedulerOutput) -> dict[str, Request] | None:
-        """The requests of ``scheduler_output``, as recorded when it was scheduled; the tokens it
-        samples are in (or dropped). Older records (steps never updated) are dropped."""
-        in_flight = self.in_flight
-        while in_flight:
-            out, requests = in_flight.popleft()
-            for r in out.scheduled:
-                if r.sample:
-                    requests[r.req_id].num_pending -= 1
-            if out is scheduler_output:
-                return requests
-        return None
+    def _take(self, scheduler_output: SchedulerOutput) -> dict[str, Request]:
+        """The requests of ``scheduler_output``, as recorded when it was scheduled (steps are updated
+        or discarded in the order they were scheduled); the tokens it samples are in (or dropped)."""
+        if not scheduler_output.scheduled:
+            return {}
+        out, requests = self.in_flight.popleft()
+        assert out is scheduler_output, "steps are updated or discarded in the order they were scheduled"
+        for r in out.scheduled:
+            if r.sample:
+                requests[r.req_id].num_pending -= 1
+        return requests
 
     def discard(self, scheduler_output: SchedulerOutput, preempt: bool = False) -> None:
         """A step that failed or was answered unrun: its tokens will never come, and the K/V it was
@@ -317,7 +317,7 @@ class Scheduler:
         recomputed. Blocks it was to fill leave the prefix cache where no request holds them now
         (a request preempted, stopped or aborted while the step was out freed them as written);
         the finished ids it carried go to the workers again."""
-        requests = self._take(scheduler_output) or {}
+        requests = self._take(scheduler_output)
         self.finished_req_ids[:0] = scheduler_output.finished_req_ids  # a worker may not have seen them
         bs = self.block_size
         for r in scheduler_output.scheduled:
@@ -342,8 +342,6 @@ class Scheduler:
         any_finished = False
         logprobs = model_runner_output.logprobs
         requests = self._take(scheduler_output)
-        if requests is None:  # not scheduled by this scheduler (tests): by id
-            requests = self.requests
         for chunk in model_runner_output.prompt_logprobs:
             req = requests.get(chunk.req_id)
             if req is not None and not req.is_finished:
