@@ -38,7 +38,7 @@ class LogitsProcessor(nn.Module):
     On the CPU, ``onednn.prepack_model`` gives it ``packed_head``: the LM head's weight
     packed in chunks of ``chunk`` rows, used instead of ``lm_head.weight``. A GGUF file whose
     LM head (or tied embedding) is quantized gives it ``quantized_head``, a ``QuantizedLinear``
-    over this rank's (padded) vocabulary rows: steps of up to ``QUANT_MAX_ROWS`` rows (decoding a
+    over this rank's (padded) vocabulary rows: steps of up to its kernel's ``max_rows`` rows (decoding a
     few streams, bound by reading the head) multiply through it, larger ones through the dense head.
     """
 
@@ -54,7 +54,8 @@ class LogitsProcessor(nn.Module):
 
     def _quantized_logits(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """This rank's ``(N, padded_vocab / tp)`` logits through the quantized head, or None for a batch."""
-        if self.quantized_head is None or hidden_states.shape[0] > quantized.QUANT_MAX_ROWS:
+        head = self.quantized_head
+        if head is None or hidden_states.shape[0] > getattr(head.kernel_weight(), "max_rows", quantized.QUANT_MAX_ROWS):
             return None
         return self.quantized_head(hidden_states, getattr(lm_head, "bias", None))
 

@@ -14,8 +14,8 @@ weight (round to nearest). :func:`finish_quantized` then builds the op.
 
 The CPU platform's kernel (:func:`cpu_quantized_linear`, installed by ``CpuPlatform``) keeps
 two layouts of the same weights (:class:`CpuQuantizedWeight`). Decoding a few streams is bound
-by reading the weights, so up to ``QUANT_MAX_ROWS`` rows multiply through a kernel that reads
-the codes: the C 4-bit and 8-bit kernels (``cpu_kernels.c``; torch's int4 matmul,
+by reading the weights, so up to ``QUANT_MAX_ROWS`` rows (``QUANT_INT8_MAX_ROWS`` for the
+int8-activation kernels) multiply through a kernel that reads the codes: the C 4-bit and 8-bit kernels (``cpu_kernels.c``; torch's int4 matmul,
 ``_weight_int4pack_mm_for_cpu``, where they cannot be built). They dequantize per row, so from a
 handful of rows on they fall far behind a GEMM (torch's int4 measured: equal at 2 rows, 10x slower
 at 64): larger batches (prefill,
@@ -42,12 +42,17 @@ from loom_plugin_api.ops.quantized_linear import QuantizedLinear, QuantizedWeigh
 from . import onednn
 
 __all__ = [
-    "QPARAMS", "QUANT_MAX_ROWS", "CpuQuantizedWeight", "cpu_quantized_linear", "finish_quantized",
-    "int4_available", "make_quantized_params", "quantize_rtn", "runs_a_kernel",
+    "QPARAMS", "QUANT_INT8_MAX_ROWS", "QUANT_MAX_ROWS", "CpuQuantizedWeight", "cpu_quantized_linear",
+    "finish_quantized", "int4_available", "make_quantized_params", "quantize_rtn", "runs_a_kernel",
 ]
 
 QUANT_MAX_ROWS = 4
 """Rows (tokens) up to which a step multiplies through the codes; more use the dense copy."""
+QUANT_INT8_MAX_ROWS = 8
+"""The same for weights the int8-activation kernels run (``cpu_qdot.c``, AVX512-VNNI): a row
+costs them integer dot products, not a dequantized weight, so they stay ahead of the dense copy
+up to their 8-row tiles (``bench/decode_linears.py``, the default model's 120 linears at 8 rows:
+7.4 against 18.4 ms on an AMX Xeon, 2026-12-05)."""
 QPARAMS = ("qweight", "qscale", "qzero")
 _INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 packing takes
 # the overload itself: calling it skips the packet's overload resolution, a few us of a decode step's 120 calls
@@ -200,6 +205,9 @@ class CpuQuantizedWeight:
         # the few-rows path, chosen once: it runs for every linear layer of every decode step
         # (``few_rows(x)``: ``x @ W.T`` through the codes, or None where no kernel here takes them)
         self.few_rows: Callable[[torch.Tensor], torch.Tensor | None] = _no_few_rows
+        # rows (tokens) up to which a step takes few_rows; more multiply through the dense copy
+        int8 = (self.q4 is not None and self.q4.layout == 1) or self.q8 is not None
+        self.max_rows = QUANT_INT8_MAX_ROWS if int8 else QUANT_MAX_ROWS
         if self.q4 is not None:
             self.few_rows = partial(kernels().q4_linear, packed=self.q4)
         elif self.int4 is not None:
@@ -263,7 +271,7 @@ def _no_few_rows(x: torch.Tensor) -> None:
 
 def cpu_quantized_linear(x: torch.Tensor, weight: CpuQuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU platform's ``quantized_linear`` kernel (``KERNEL_SIGNATURES``)."""
-    if x.dtype == weight.dtype and x.numel() <= QUANT_MAX_ROWS * x.shape[-1]:
+    if x.dtype == weight.dtype and x.numel() <= weight.max_rows * x.shape[-1]:
         out = weight.few_rows(x)
         if out is not None:
             return out if bias is None else out.add_(bias)  # in the output's dtype, as forward_native
