@@ -4,11 +4,11 @@ The default model's shapes (30 layers of qkv 960x576, o 576x576, gate/up 3072x57
 576x1536), each layer with its own weights, as a decode step reads them, for M rows of
 activations (M decoding streams):
 
-- dense: bf16 weights prepacked for oneDNN (``loom.layers.onednn``), the path of steps with
-  more than ``QUANT_MAX_ROWS`` rows, and of every step of an unquantized model;
+- dense: bf16 weights prepacked for oneDNN (``loom.layers.onednn``), the path of a quantized
+  model's larger steps, and of every step of an unquantized model;
 - 4-bit: the CPU platform's group-wise 4-bit kernel (``CpuKernels.q4_linear``, int8 activations
-  where the CPU has AVX512-VNNI), the path of GGUF models' steps of up to ``QUANT_MAX_ROWS`` rows;
-  the kernel takes at most 8 rows.
+  where the CPU has AVX512-VNNI), the path of GGUF models' steps of up to ``QUANT_INT8_MAX_ROWS``
+  rows (8) with int8 activations, ``QUANT_MAX_ROWS`` (4) without; the kernel takes at most 8 rows.
 
 Each row: ms for the 120 calls, the weight bytes read over that time, GFLOP/s. Where the dense
 path's time stays flat as M grows it is bound by reading the weights, not by its arithmetic;

@@ -15,11 +15,11 @@ weight (round to nearest). :func:`finish_quantized` then builds the op.
 The CPU platform's kernel (:func:`cpu_quantized_linear`, installed by ``CpuPlatform``) keeps
 two layouts of the same weights (:class:`CpuQuantizedWeight`). Decoding a few streams is bound
 by reading the weights, so up to ``QUANT_MAX_ROWS`` rows (``QUANT_INT8_MAX_ROWS`` for the
-int8-activation kernels) multiply through a kernel that reads the codes: the C 4-bit and 8-bit kernels (``cpu_kernels.c``; torch's int4 matmul,
-``_weight_int4pack_mm_for_cpu``, where they cannot be built). They dequantize per row, so from a
-handful of rows on they fall far behind a GEMM (torch's int4 measured: equal at 2 rows, 10x slower
-at 64): larger batches (prefill,
-many streams) multiply through a dense copy of the exact dequantized weights in the compute
+int8-activation kernels) multiply through a kernel that reads the codes: the C 4-bit and 8-bit
+kernels (``cpu_kernels.c``; torch's int4 matmul, ``_weight_int4pack_mm_for_cpu``, where they
+cannot be built). They dequantize per row (the int8-activation kernels round x instead), so
+from a handful of rows on they fall far behind a GEMM (torch's int4 measured: equal at 2 rows,
+10x slower at 64): larger batches (prefill, many streams) multiply through a dense copy of the exact dequantized weights in the compute
 dtype, prepacked for oneDNN like any CPU linear. Memory: the codes (0.56 bytes per weight at 4
 bits with scales, 1.06 at 8) plus the dense copy (2 bytes in bf16).
 
