@@ -2,13 +2,15 @@
 
 The default model's shapes (30 layers of qkv 960x576, o 576x576, gate/up 3072x576, down
 576x1536), each layer with its own weights, as a decode step reads them, for M rows of
-activations (M decoding streams):
+activations (M decoding streams), through both paths of the CPU platform's quantized linear
+(``loom.layers.quantized``) on the same 4-bit weights, prepared as a model load prepares them
+(``CpuQuantizedWeight``):
 
-- dense: bf16 weights prepacked for oneDNN (``loom.layers.onednn``), the path of a quantized
-  model's larger steps, and of every step of an unquantized model;
-- 4-bit: the CPU platform's group-wise 4-bit kernel (``CpuKernels.q4_linear``, int8 activations
-  where the CPU has AVX512-VNNI), the path of GGUF models' steps of up to ``QUANT_INT8_MAX_ROWS``
-  rows (8) with int8 activations, ``QUANT_MAX_ROWS`` (4) without; the kernel takes at most 8 rows.
+- dense: the dequantized bf16 copy prepacked for oneDNN, the path of a quantized model's larger
+  steps (and, as plain bf16 weights, of every step of an unquantized model);
+- 4-bit: the weight's few-rows kernel (``CpuKernels.q4_linear``, int8 activations where the CPU
+  has AVX512-VNNI), the path of steps of up to the weight's ``max_rows`` (``QUANT_INT8_MAX_ROWS``,
+  8, with int8 activations, ``QUANT_MAX_ROWS``, 4, without); the kernel takes at most 8 rows.
 
 Each row: ms for the 120 calls, the weight bytes read over that time, GFLOP/s. Where the dense
 path's time stays flat as M grows it is bound by reading the weights, not by its arithmetic;
@@ -29,7 +31,9 @@ import time
 
 import torch
 from loom.layers import onednn
+from loom.layers.quantized import CpuQuantizedWeight, cpu_quantized_linear
 from loom.platforms import cpu_kernels
+from loom_plugin_api.ops import QuantizedWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (outputs, inputs) of one layer
 LAYERS = 30
@@ -61,36 +65,35 @@ def main() -> None:
     if not onednn.packs(torch.bfloat16):
         raise SystemExit("oneDNN does not pack bf16 weights on this CPU: the dense path here is not the one measured")
     g = torch.Generator().manual_seed(0)
-    dense = [[onednn.pack_weight(torch.randn(o, i, generator=g, dtype=torch.bfloat16) * 0.02) for o, i in SHAPES]
-             for _ in range(LAYERS)]
 
-    def q4(o: int, i: int) -> cpu_kernels.PackedQ4:
+    def weight(o: int, i: int) -> CpuQuantizedWeight:
         codes = torch.randint(0, 16, (o, i), dtype=torch.uint8, generator=g)
-        return k.pack_q4(codes, torch.rand(o, i // 32, generator=g) * 0.01, -torch.rand(o, i // 32, generator=g) * 0.08,
-                         torch.bfloat16)
+        scale, zero = torch.rand(o, i // 32, generator=g) * 0.01, -torch.rand(o, i // 32, generator=g) * 0.08
+        w = cpu_quantized_linear.prepare(QuantizedWeight(codes, scale, zero, 4, 32), torch.bfloat16)
+        w.make_dense()  # as finish_quantized does at load
+        return w
 
-    packed = [[q4(o, i) for o, i in SHAPES] for _ in range(LAYERS)]
+    layers = [[weight(o, i) for o, i in SHAPES] for _ in range(LAYERS)]
     flops_per_row = 2 * sum(o * i for o, i in SHAPES) * LAYERS
     dense_bytes = 2 * sum(o * i for o, i in SHAPES) * LAYERS
-    q4_bytes = sum(p.codes.numel() * p.codes.element_size()
-                   + sum(t.numel() * t.element_size() for t in (p.scale_zero, p.scale, p.zero) if t is not None)
-                   for layer in packed for p in layer)
+    q4_bytes = sum(w.nbytes for layer in layers for w in layer)
     print(f"{args.threads} threads; the default model's 120 decode linears: {dense_bytes / 1e6:.0f} MB as bf16, "
-          f"{q4_bytes / 1e6:.0f} MB as 4-bit codes and scales; int8 activations: {k.int8_activations}\n")
+          f"{q4_bytes / 1e6:.0f} MB as 4-bit codes and scales; int8 activations: {k.int8_activations}, "
+          f"so the codes take steps of up to {layers[0][0].max_rows} rows\n")
     print("| rows | dense bf16 ms | GB/s | GFLOP/s | 4-bit ms | GB/s | GFLOP/s | faster |")
     print("|---|---|---|---|---|---|---|---|")
     for m in args.rows:
         xs = {i: torch.randn(m, i, generator=g, dtype=torch.bfloat16) for _, i in SHAPES}
 
         def run_dense(xs: dict[int, torch.Tensor] = xs) -> None:
-            for layer in dense:
+            for layer in layers:
                 for (_, i), w in zip(SHAPES, layer):
-                    onednn.linear(xs[i], w, None)
+                    onednn.linear(xs[i], w.dense, None)
 
         def run_q4(xs: dict[int, torch.Tensor] = xs) -> bool:
-            for layer in packed:
+            for layer in layers:
                 for (_, i), w in zip(SHAPES, layer):
-                    if k.q4_linear(xs[i], w) is None:
+                    if w.few_rows(xs[i]) is None:
                         return False
             return True
 

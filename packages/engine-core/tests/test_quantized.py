@@ -446,13 +446,9 @@ def test_default_model_quantized_greedy_matches_dequantized():
         got = greedy_generate(packed, prompt, 32)
     assert d.argmax(-1).tolist() == want
     span = d.amax(-1) - d.amin(-1)
-    best2 = d.topk(2, dim=-1).values
-    near_tie = (best2[:, 0] - best2[:, 1]) < 0.03 * span
-    picked = q.argmax(-1, keepdim=True)
-    differs = picked.squeeze(-1) != d.argmax(-1)
-    assert not (differs & ~near_tie).any(), f"steps {differs.nonzero().flatten().tolist()} differ beyond a near-tie"
-    # where they differ, the quantized model's pick is the dequantized model's near-tied runner-up
-    assert (d.gather(-1, picked).squeeze(-1) >= best2[:, 0] - 0.03 * span).all()
+    # each step's pick: the dequantized model's best, or a runner-up within 3% of the range of it
+    behind = (d.amax(-1) - d.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1)) / span
+    assert (behind < 0.03).all(), f"steps {(behind >= 0.03).nonzero().flatten().tolist()} differ beyond a near-tie"
     moved = float(((q - d).abs().amax(-1) / span).max())
     k = kernels()
     if k is not None and k.int8_activations:

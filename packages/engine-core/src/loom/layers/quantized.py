@@ -19,9 +19,10 @@ int8-activation kernels) multiply through a kernel that reads the codes: the C 4
 kernels (``cpu_kernels.c``; torch's int4 matmul, ``_weight_int4pack_mm_for_cpu``, where they
 cannot be built). They dequantize per row (the int8-activation kernels round x instead), so
 from a handful of rows on they fall far behind a GEMM (torch's int4 measured: equal at 2 rows,
-10x slower at 64): larger batches (prefill, many streams) multiply through a dense copy of the exact dequantized weights in the compute
-dtype, prepacked for oneDNN like any CPU linear. Memory: the codes (0.56 bytes per weight at 4
-bits with scales, 1.06 at 8) plus the dense copy (2 bytes in bf16).
+10x slower at 64): larger batches (prefill, many streams) multiply through a dense copy of
+the exact dequantized weights in the compute dtype, prepacked for oneDNN like any CPU linear.
+Memory: the codes (0.56 bytes per weight at 4 bits with scales, 1.06 at 8) plus the dense copy
+(2 bytes in bf16).
 
 In fp32 the 4-bit kernels compute with the exact weights; in bf16 they hold scales and zeros in
 bf16 (a fifth of the bytes a step reads at groups of 32), so their weights are exact to within
