@@ -231,7 +231,8 @@ def test_bf16_fast_kernel_against_portable_and_torch(kernel, heads, kv_heads, he
     """On a CPU with AVX512-BF16 the bf16 entry takes its own kernel (head sizes a multiple of 32);
     it and the portable kernel both match torch, over many requests (each thread asks for its next
     item's K/V while computing one) and contexts that are not multiples of its 16-token tiles."""
-    assert kernel.takes_prefill(torch.bfloat16, heads, kv_heads, head_size) == _has_avx512_bf16()
+    assert kernel.takes_prefill(torch.bfloat16, heads, kv_heads, head_size) == (
+        _has_avx512_bf16() and not kernel.sdpa_prefills_faster)
     assert not kernel.takes_prefill(torch.float32, heads, kv_heads, head_size)
     assert not kernel.takes_prefill(torch.bfloat16, heads, kv_heads, 80)  # portable: 80 % 32
     g = torch.Generator().manual_seed(head_size + heads)
@@ -312,12 +313,29 @@ def test_few_long_rows_split_their_context_across_threads(kernel, which, heads, 
         torch.set_num_threads(before)
 
 
+def test_torch_flash_uses_amx_needs_the_cpu_flag_and_torch(monkeypatch):
+    """Prefills leave the kernel for torch's flash kernel only where that one has AMX tiles: the
+    CPU reports amx_bf16 and torch says it can use the tiles."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
+    assert native.torch_flash_uses_amx()
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512_bf16", "avx512bw", "avx512vl"}))
+    assert not native.torch_flash_uses_amx()
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not native.torch_flash_uses_amx()
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")
+    assert not native.torch_flash_uses_amx()
+
+
+@pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("max_ctx", [4096, 12])
-def test_backend_runs_prefills_through_the_kernel(monkeypatch, max_ctx):
-    """bf16 on a CPU with AVX512-BF16: prefill chunks (a fresh one and one after a cached prefix)
-    with a context up to KERNEL_PREFILL_MAX_CTX join the kernel's query rows, one row per token
-    with its context up to its own position; a longer one, and everything but the decodes
-    elsewhere, keeps torch's SDPA. The step's output equals the all-torch path's."""
+def test_backend_runs_prefills_through_the_kernel(monkeypatch, max_ctx, amx):
+    """bf16 on a CPU with AVX512-BF16 and no AMX for torch's flash kernel: prefill chunks (a fresh
+    one and one after a cached prefix) with a context up to KERNEL_PREFILL_MAX_CTX join the
+    kernel's query rows, one row per token with its context up to its own position; a longer one,
+    and everything but the decodes elsewhere, keeps torch's SDPA. With AMX (``amx``, whatever
+    this CPU has) every prefill chunk keeps SDPA. The step's output equals the all-torch path's."""
     monkeypatch.setattr(torch_sdpa, "KERNEL_PREFILL_MAX_CTX", max_ctx)
     g = torch.Generator().manual_seed(4)
     md, num_blocks = _mixed_step(g)  # q_lens [1, 5, 1, 4], contexts [20, 13, 9, 4]
@@ -326,11 +344,13 @@ def test_backend_runs_prefills_through_the_kernel(monkeypatch, max_ctx):
     cache = torch.randn(2, num_blocks, md.block_size, Hk, D, generator=g).to(dtype)
     q, k, v = (torch.randn(T, n * D, generator=g).to(dtype) for n in (H, Hk, Hk))
     with_kernel = TorchSDPAImpl(H, D, D**-0.5, Hk)
+    monkeypatch.setattr(with_kernel._kernel, "sdpa_prefills_faster", amx)
+    monkeypatch.setattr(with_kernel._kernel, "_takes_prefill", {})
     without = TorchSDPAImpl(H, D, D**-0.5, Hk)
     without._kernel = None
     cache2 = cache.clone()
     out = with_kernel.forward(None, q, k, v, cache, md)
-    fast = _has_avx512_bf16()
+    fast = _has_avx512_bf16() and not amx
     plan = md.scratch[f"torch_sdpa_plan_0{int(fast)}"]
     by_token = dict(zip(plan.decode.token_idx.tolist(), plan.decode.ctx.tolist()))
     if not fast:

@@ -4,8 +4,9 @@ Cache layout per layer: ``(2, num_blocks, block_size, num_kv_heads, head_size)``
 Decode requests (one new token) run through the paged-decode kernel compiled on this
 machine (``native.py``), which reads K/V through the block tables in place; where that
 kernel is not available they run as one batched SDPA over K/V gathered through their block
-tables. Where the kernel's AVX512-BF16 path runs (bf16, head size a multiple of 32), prefill
-chunks whose context is at most ``KERNEL_PREFILL_MAX_CTX`` go through it too, each token a
+tables. Where the kernel's AVX512-BF16 path runs (bf16, head size a multiple of 32) and torch's
+flash kernel has no AMX tiles to run on (``PagedDecode.takes_prefill``), prefill chunks whose
+context is at most ``KERNEL_PREFILL_MAX_CTX`` go through it too, each token a
 query over the positions up to its own (causal by construction, a cached prefix included; the
 kernel shares each K/V tile among 16 such rows). Other prefill chunks with no cached prefix run
 batched, one causal SDPA call per chunk length; a chunk after a cached prefix runs alone, masked
