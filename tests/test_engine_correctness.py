@@ -208,10 +208,11 @@ def test_seeded_request_ignores_its_batch_companions(llama):
 
 # ---- one stream's decode steps, replayed ------------------------------------------------------
 
-def test_one_stream_replays_its_decode_steps_to_the_eager_answer(engines, model_dir, expected_platform):
-    """The CPU worker captures a lone request's decode step once and replays it
+def test_decode_steps_replay_to_the_eager_answer(engines, model_dir, expected_platform):
+    """The CPU worker captures a decode step once per batch size and replays it
     (loom.worker.cpu_step_replay): greedy answers equal those of ``enforce_eager`` request after
-    request (new block tables, contexts past block boundaries), and a batch runs eagerly."""
+    request (new block tables, contexts past block boundaries), and for batches whose size
+    changes as requests finish (each size captured at its second step in a row)."""
     replay = engines(model_dir, enable_prefix_caching=False)
     eager = engines(model_dir, enable_prefix_caching=False, enforce_eager=True)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -220,12 +221,36 @@ def test_one_stream_replays_its_decode_steps_to_the_eager_answer(engines, model_
         assert tokens(run(replay, [prompt], greedy)) == tokens(run(eager, [prompt], greedy))
     runner = replay.llm_engine.executor.worker.model_runner
     if expected_platform == "cpu":
-        assert runner._graph is not None and runner._checked, "the decode step was not captured"
-        assert eager.llm_engine.executor.worker.model_runner._graph is None
+        assert 1 in runner._graphs and 1 in runner._checked, "the decode step was not captured"
+        assert not eager.llm_engine.executor.worker.model_runner._graphs
     else:  # the dummy platform's worker runs the contract's runner: every step eager
-        assert not hasattr(runner, "_graph")
-    # a batch, then the longer request alone (replayed after batch steps), then a seeded sample
-    short = dataclasses.replace(greedy, max_tokens=5)
-    assert tokens(run(replay, prompts[:2], [short, greedy])) == tokens(run(eager, prompts[:2], [short, greedy]))
+        assert not hasattr(runner, "_graphs")
+    # a batch of 3 whose requests finish one after another (3, 2 then 1 request per step), then
+    # the longest alone (replayed after batch steps), then a seeded sample
+    lengths = [dataclasses.replace(greedy, max_tokens=n) for n in (12, 40, 25)]
+    assert tokens(run(replay, prompts[:3], lengths)) == tokens(run(eager, prompts[:3], lengths))
+    if expected_platform == "cpu":
+        assert {1, 2, 3} <= set(runner._graphs) and {1, 2, 3} <= runner._checked  # (earlier tests' sizes too)
+        assert runner._replay, "a replay differed from its eager step"
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True)
     assert tokens(run(replay, [prompts[2]], seeded)) == tokens(run(eager, [prompts[2]], seeded))
+
+
+@pytest.mark.parametrize(("graphs", "memory", "kept"), [(2, 256 << 20, {2, 1}), (4, 0, set())])
+def test_replay_keeps_few_graphs(monkeypatch, engines, model_dir, expected_platform, graphs, memory, kept):
+    """At most ``REPLAY_GRAPHS`` captured steps within ``REPLAY_MEMORY`` are kept, the least
+    recently replayed dropped first; answers stay the eager ones whichever graphs are kept."""
+    from loom.worker import cpu_worker
+
+    monkeypatch.setattr(cpu_worker, "REPLAY_GRAPHS", graphs)
+    monkeypatch.setattr(cpu_worker, "REPLAY_MEMORY", memory)
+    replay = engines(model_dir, enable_prefix_caching=False, max_num_seqs=8 - graphs)  # a fresh engine
+    eager = engines(model_dir, enable_prefix_caching=False, enforce_eager=True)
+    prompts = random_ids(51, 4, 30, 16, 9)
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 20, 30, 40)]
+    assert tokens(run(replay, prompts, lengths)) == tokens(run(eager, prompts, lengths))  # 4, 3, 2, 1 a step
+    runner = replay.llm_engine.executor.worker.model_runner
+    if expected_platform == "cpu":
+        assert set(runner._graphs) == kept and runner._checked <= kept and runner._replay
+    else:  # the dummy platform's worker runs the contract's runner: every step eager
+        assert not hasattr(runner, "_graphs")

@@ -52,23 +52,29 @@ def _eager(model, ids, pos, md):
         return model(ids, pos).clone()
 
 
+@pytest.mark.parametrize("prompts", [[[7, 250, 3, 99, 41]], [[7, 250, 3, 99, 41], [5], [9, 8, 7, 6, 5, 4, 3, 2, 1]]])
 @torch.inference_mode()
-def test_replayed_steps_equal_eager_steps(llama):
-    """Capture the first decode step, then for 20 more (new tokens, positions, slots, context
-    lengths, a block table that grows) the replay gives the eager step's hidden states exactly."""
-    h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=1)
-    logits = h.step({0: [7, 250, 3, 99, 41]})
-    token = int(logits[-1].argmax())
-    ids, pos, md = h.build_metadata({0: [token]})
+def test_replayed_steps_equal_eager_steps(llama, prompts):
+    """Capture the first decode step (one request, or a batch of three with different contexts),
+    then for 20 more (new tokens, positions, slots, context lengths, block tables that grow) the
+    replay gives the eager step's hidden states exactly."""
+    batch = len(prompts)
+    h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=batch)
+    logits = h.step(dict(enumerate(prompts)))
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+
+    def next_tokens(logits: torch.Tensor) -> dict[int, list[int]]:
+        return {r: [int(t)] for r, t in enumerate(logits.argmax(-1).tolist())}
+
+    ids, pos, md = h.build_metadata(next_tokens(logits[ends]))
     graph, hidden, why = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS)
     if not CPU:
         assert graph is None and "no compiled kernel" in why, why
         return
     assert graph is not None, why
-    assert graph.num_ops > 0
+    assert graph.num_ops > 0 and graph.batch == batch and graph.nbytes > 0
     for _ in range(20):
-        token = int(llama.compute_logits(hidden)[-1].argmax())
-        ids, pos, md = h.build_metadata({0: [token]})
+        ids, pos, md = h.build_metadata(next_tokens(llama.compute_logits(hidden)))
         md = _in_use(md)
         assert graph.fits(md)
         want = _eager(llama, ids, pos, md)  # writes this token's K/V; the replay writes the same values

@@ -1,11 +1,12 @@
 """The CPU platform's worker: the contract's ``CPUWorker`` (``loom_plugin_api.cpu_worker``, which
 platforms computing in host memory subclass without importing the engine) with a runner that
-replays one stream's decode steps (``cpu_step_replay``). The CPU platform names it by this path.
+replays decode steps (``cpu_step_replay``). The CPU platform names it by this path.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 from loom_plugin_api.cpu_worker import CPUWorker as _ContractCPUWorker
@@ -23,15 +24,26 @@ logger = init_logger(__name__)
 __all__ = ["CPUWorker", "CpuModelRunner"]
 
 
+REPLAY_GRAPHS = 4
+"""Captured decode steps kept at once, one per batch size; the least recently replayed goes first."""
+REPLAY_MEMORY = 256 << 20
+"""Bytes the kept graphs' buffers may hold together (a graph keeps every tensor its step made)."""
+
+
 class CpuModelRunner(ModelRunner):
-    """``ModelRunner`` whose decode step of a single request (one chat stream, no LoRA) is
-    captured once and then replayed; every other step runs eagerly. ``enforce_eager`` (and a
-    capture that is refused, logged once) keeps every step eager."""
+    """``ModelRunner`` whose decode steps (one token per request, no LoRA) are captured once per
+    batch size and then replayed; every other step runs eagerly. A lone request's step is
+    captured at once; a batch of several at its second decode step in a row of that size, so that
+    sizes passing through (requests joining and finishing) do not each pay for a capture. Up to
+    ``REPLAY_GRAPHS`` graphs within ``REPLAY_MEMORY`` are kept. ``enforce_eager`` keeps every step
+    eager; a capture that is refused keeps that batch size eager (logged once)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._graph: StepGraph | None = None
-        self._checked = False  # the graph's first replay matched an eager run of the same step
+        self._graphs: OrderedDict[int, StepGraph] = OrderedDict()
+        self._checked: set[int] = set()  # batch sizes whose graph's first replay matched an eager run
+        self._refused: set[int] = set()
+        self._last_decode = 0  # the batch size of the previous step, if it was a decode step
         kernel, dtype = native.paged_decode(), self.config.model_config.torch_dtype
         # the decode attention must be the compiled kernel: the torch path would replay a gather
         # over the whole capacity (max_model_len) every step
@@ -42,39 +54,61 @@ class CpuModelRunner(ModelRunner):
 
     def initialize_cache(self, num_blocks: int) -> None:
         super().initialize_cache(num_blocks)
-        self._graph, self._checked = None, False  # it points into the old cache
+        self._graphs.clear()  # they point into the old cache
+        self._checked.clear()
 
     def run_model(self, inputs: ModelInput) -> torch.Tensor:
         md = inputs.attn_metadata
-        if not self._replay or inputs.lora_mapping is not None or md.num_reqs != 1 or md.num_tokens != 1:
+        batch = md.num_reqs
+        decode = self._replay and inputs.lora_mapping is None and md.num_tokens == batch
+        previous, self._last_decode = self._last_decode, batch if decode else 0
+        if not decode or batch in self._refused:
             return super().run_model(inputs)
-        if self._graph is not None and self._graph.fits(md):
-            try:
-                if self._checked:
-                    return self._graph.replay(inputs.input_ids, inputs.positions, md)
-                hidden, same = self._graph.check(self.model, inputs.input_ids, inputs.positions, md)
-            except StepReplayError as e:  # a kernel's error code: the eager step raises it properly, or runs
-                self._graph, self._replay = None, False
-                logger.warning("A replayed one-stream decode step failed (%s); decode steps run eagerly from now on", e)
-                return super().run_model(inputs)  # rewrites whatever K/V the replay wrote for this token
-            if same:
-                self._checked = True
-            else:
-                self._graph, self._replay = None, False
-                logger.warning("A replayed one-stream decode step differed from the eager step; decode steps "
-                               "run eagerly from now on (the model passes a per-step Python value to a kernel?)")
-            return hidden
+        graph = self._graphs.get(batch)
+        if graph is not None and graph.fits(md):
+            self._graphs.move_to_end(batch)
+            return self._replayed(graph, inputs)
         max_blocks = math.ceil(self.config.model_config.max_model_len / md.block_size)
-        if md.block_tables.shape[1] > max_blocks:
+        if md.block_tables.shape[1] > max_blocks or (batch > 1 and previous != batch):
             return super().run_model(inputs)
         graph, hidden, why = StepGraph.capture(self.model, inputs.input_ids, inputs.positions, md, max_blocks)
         if graph is None:
-            self._replay = False
-            logger.info("One-stream decode steps run eagerly: %s", why)
-        else:
-            self._graph, self._checked = graph, False
-            logger.debug("Captured a one-stream decode step: %d operations", graph.num_ops)
+            self._refused.add(batch)
+            log = logger.info if len(self._refused) == 1 else logger.debug
+            log("Decode steps of %d request(s) run eagerly: %s", batch, why)
+        elif graph.nbytes <= REPLAY_MEMORY:
+            self._graphs[batch] = graph
+            self._checked.discard(batch)
+            while len(self._graphs) > REPLAY_GRAPHS or sum(g.nbytes for g in self._graphs.values()) > REPLAY_MEMORY:
+                self._checked.discard(self._graphs.popitem(last=False)[0])
+            logger.debug("Captured a decode step of %d request(s): %d operations, %.1f MiB", batch, graph.num_ops,
+                         graph.nbytes / (1 << 20))
         return hidden
+
+    def _replayed(self, graph: StepGraph, inputs: ModelInput) -> torch.Tensor:
+        """The step through ``graph``: its first replay is checked against an eager run; a
+        failure or a difference turns replay off for good (the eager step answers)."""
+        md = inputs.attn_metadata
+        try:
+            if graph.batch in self._checked:
+                return graph.replay(inputs.input_ids, inputs.positions, md)
+            hidden, same = graph.check(self.model, inputs.input_ids, inputs.positions, md)
+        except StepReplayError as e:  # a kernel's error code: the eager step raises it properly, or runs
+            self._stop_replay()
+            logger.warning("A replayed decode step failed (%s); decode steps run eagerly from now on", e)
+            return super().run_model(inputs)  # rewrites whatever K/V the replay wrote for this token
+        if same:
+            self._checked.add(graph.batch)
+        else:
+            self._stop_replay()
+            logger.warning("A replayed decode step differed from the eager step; decode steps run eagerly from "
+                           "now on (the model passes a per-step Python value to a kernel?)")
+        return hidden
+
+    def _stop_replay(self) -> None:
+        self._replay = False
+        self._graphs.clear()
+        self._checked.clear()
 
 
 class CPUWorker(_ContractCPUWorker):
