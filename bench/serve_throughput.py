@@ -11,12 +11,16 @@ exactly ``--input-len`` prompt tokens; EOS is ignored so each makes ``--output-l
 ``--client-ceiling`` also runs it against ``_sse_replay.py``, a server that only writes
 pre-serialized chunks: the streamed tokens a second the official client alone can take here,
 the ceiling of any served figure this script measures on a machine it shares with the server.
+``--curl`` also sends the same load through one ``curl`` process per request (all at once) to a
+server launched afresh and warmed up the same way: a client whose per-chunk cost is C's, so the
+figure shows what the server delivers when the client takes little of the machine's CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import subprocess
@@ -79,6 +83,32 @@ async def run_load(url: str, model: str, prompts: list[list[int]], output_len: i
     }
 
 
+def curl_load(url: str, model: str, prompts: list[list[int]], output_len: int, root: str) -> dict[str, float]:
+    """The load through one ``curl`` process per request, started together: wall time from the
+    first start to the last exit, and the completion tokens the streams' usage chunks report."""
+    bodies = []
+    for i, prompt in enumerate(prompts):
+        path = os.path.join(root, f"curl-{i}.json")
+        with open(path, "w") as f:
+            json.dump({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+                       "ignore_eos": True, "stream_options": {"include_usage": True}}, f)
+        bodies.append(path)
+    command = ["curl", "-sSN", "--fail-with-body", "-H", "Content-Type: application/json", f"{url}/v1/completions",
+               "--data-binary"]
+    begin = time.perf_counter()
+    procs = [subprocess.Popen([*command, f"@{body}"], stdout=subprocess.PIPE, text=True) for body in bodies]
+    outputs = [proc.communicate()[0] for proc in procs]
+    elapsed = time.perf_counter() - begin
+    tokens = 0
+    for proc, out in zip(procs, outputs):
+        if proc.returncode:
+            raise RuntimeError(f"curl exited {proc.returncode}: {out[-500:]}")
+        events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: {")]
+        usage = [json.loads(e)["usage"] for e in events if '"usage":{' in e.replace(" ", "")]
+        tokens += usage[-1]["completion_tokens"]
+    return {"elapsed": elapsed, "tok_s": tokens / elapsed, "tokens": tokens}
+
+
 def client_ceiling(prompts: list[list[int]], output_len: int, seed: int) -> float:
     """Output tok/s of the same load against a server that only writes pre-serialized chunks."""
     port = free_port()
@@ -108,6 +138,8 @@ def main() -> None:
     parser.add_argument("--compare-offline", action="store_true")
     parser.add_argument("--client-ceiling", action="store_true",
                         help="also load a do-nothing SSE server (_sse_replay.py) with the same client and workload")
+    parser.add_argument("--curl", action="store_true",
+                        help="also send the load through one curl process per request (needs curl on PATH)")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="an extra flag for loom serve, e.g. --serve-arg=--stream-interval=8 (repeatable)")
     args = parser.parse_args()
@@ -121,29 +153,36 @@ def main() -> None:
         vocab = 49152 if model_path is None else VOCAB.get(args.model, 50272)
         prompts = workload(args.num_prompts, args.input_len, vocab, args.seed)
         served = args.served_model_name or (model_path or "SmolLM2-135M-Instruct")
-        proc = None
-        url = args.url
-        if url is None:
-            serve_args = ([model_path] if model_path else []) + [
-                "--dtype", args.dtype, "-tp", str(args.tp),
-                "--max-model-len", str(max(512, args.input_len + args.output_len)), *args.serve_arg]
-            proc, url, _ = start(serve_args, os.path.join(root, "serve.log"))
-            wait_healthy(proc, url)
-        async def warm_then_measure() -> dict[str, float]:
-            await run_load(url, served, prompts[:2], 2, float("inf"), args.seed)  # warm-up
-            return await run_load(url, served, prompts, args.output_len, args.request_rate, args.seed)
+        serve_args = ([model_path] if model_path else []) + [
+            "--dtype", args.dtype, "-tp", str(args.tp),
+            "--max-model-len", str(max(512, args.input_len + args.output_len)), *args.serve_arg]
 
-        try:
-            r = asyncio.run(warm_then_measure())
-        finally:
-            if proc is not None:
-                stop(proc)
+        def measure(load: str) -> dict[str, float]:
+            """``load`` ("openai" or "curl") on the server at --url, else on a fresh one, warmed up."""
+            proc, url = None, args.url
+            if url is None:
+                proc, url, _ = start(serve_args, os.path.join(root, f"serve-{load}.log"))
+                wait_healthy(proc, url)
+            try:
+                asyncio.run(run_load(url, served, prompts[:2], 2, float("inf"), args.seed))  # warm-up
+                if load == "curl":
+                    return curl_load(url, served, prompts, args.output_len, root)
+                return asyncio.run(run_load(url, served, prompts, args.output_len, args.request_rate, args.seed))
+            finally:
+                if proc is not None:
+                    stop(proc)
+
+        r = measure("openai")
+        curl = measure("curl") if args.curl else None
         print(f"workload: {args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
               f"rate {args.request_rate}, TP {args.tp}, {args.dtype} {' '.join(args.serve_arg)}")
         print(f"serve: {r['req_s']:.2f} req/s, {r['tok_s']:,.0f} output tok/s in {r['elapsed']:.1f} s")
         print(f"TTFT p50 {r['ttft_p50'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms; "
               f"TPOT p50 {r['tpot_p50'] * 1e3:.1f} ms, p99 {r['tpot_p99'] * 1e3:.1f} ms; "
               f"e2e p50 {r['e2e_p50']:.2f} s, p99 {r['e2e_p99']:.2f} s")
+        if curl is not None:
+            print(f"curl: {curl['tok_s']:,.0f} output tok/s in {curl['elapsed']:.1f} s ({curl['tokens']} tokens, "
+                  f"one curl process per request)")
         if args.client_ceiling:
             c = client_ceiling(prompts, args.output_len, args.seed)
             print(f"client ceiling (the official client against _sse_replay.py): {c:,.0f} output tok/s; "
@@ -151,7 +190,8 @@ def main() -> None:
         if args.compare_offline:
             elapsed, tokens = run_loom(model_path, prompts, args.output_len, args.dtype)
             offline = tokens / elapsed
-            print(f"offline loom.LLM: {offline:,.0f} output tok/s; serve / offline = {r['tok_s'] / offline:.2f}")
+            print(f"offline loom.LLM: {offline:,.0f} output tok/s; serve / offline = {r['tok_s'] / offline:.2f}"
+                  + (f", curl / offline = {curl['tok_s'] / offline:.2f}" if curl is not None else ""))
 
 
 if __name__ == "__main__":
