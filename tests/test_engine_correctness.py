@@ -252,5 +252,7 @@ def test_replay_keeps_few_graphs(monkeypatch, engines, model_dir, expected_platf
     runner = replay.llm_engine.executor.worker.model_runner
     if expected_platform == "cpu":
         assert set(runner._graphs) == kept and runner._checked <= kept and runner._replay
+        # a graph too large for REPLAY_MEMORY is not captured again at every step of its size
+        assert runner._refused == ({1, 2, 3, 4} if memory == 0 else set())
     else:  # the dummy platform's worker runs the contract's runner: every step eager
         assert not hasattr(runner, "_graphs")

@@ -72,11 +72,13 @@ class CpuModelRunner(ModelRunner):
         if md.block_tables.shape[1] > max_blocks or (batch > 1 and previous != batch):
             return super().run_model(inputs)
         graph, hidden, why = StepGraph.capture(self.model, inputs.input_ids, inputs.positions, md, max_blocks)
+        if graph is not None and graph.nbytes > REPLAY_MEMORY:
+            graph, why = None, f"its buffers ({graph.nbytes / (1 << 20):.0f} MiB) exceed REPLAY_MEMORY"
         if graph is None:
             self._refused.add(batch)
             log = logger.info if len(self._refused) == 1 else logger.debug
             log("Decode steps of %d request(s) run eagerly: %s", batch, why)
-        elif graph.nbytes <= REPLAY_MEMORY:
+        else:
             self._graphs[batch] = graph
             self._checked.discard(batch)
             while len(self._graphs) > REPLAY_GRAPHS or sum(g.nbytes for g in self._graphs.values()) > REPLAY_MEMORY:
