@@ -96,15 +96,19 @@ def curl_load(url: str, model: str, prompts: list[list[int]], output_len: int, r
     command = ["curl", "-sSN", "--fail-with-body", "-H", "Content-Type: application/json", f"{url}/v1/completions",
                "--data-binary"]
     begin = time.perf_counter()
-    procs = [subprocess.Popen([*command, f"@{body}"], stdout=subprocess.PIPE, text=True) for body in bodies]
-    outputs = [proc.communicate()[0] for proc in procs]
+    procs = [subprocess.Popen([*command, f"@{body}", "-o", f"{body}.out"]) for body in bodies]
+    codes = [proc.wait() for proc in procs]
     elapsed = time.perf_counter() - begin
     tokens = 0
-    for proc, out in zip(procs, outputs):
-        if proc.returncode:
-            raise RuntimeError(f"curl exited {proc.returncode}: {out[-500:]}")
-        events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: {")]
-        usage = [json.loads(e)["usage"] for e in events if '"usage":{' in e.replace(" ", "")]
+    for body, code in zip(bodies, codes):
+        with open(f"{body}.out") as f:
+            out = f.read()
+        if code:
+            raise RuntimeError(f"curl exited {code}: {out[-500:]}")
+        events = [json.loads(line[len("data: "):]) for line in out.splitlines() if line.startswith("data: {")]
+        usage = [e["usage"] for e in events if e.get("usage")]
+        if not usage:
+            raise RuntimeError(f"a stream ended without a usage chunk: {out[-500:]}")
         tokens += usage[-1]["completion_tokens"]
     return {"elapsed": elapsed, "tok_s": tokens / elapsed, "tokens": tokens}
 
@@ -143,6 +147,9 @@ def main() -> None:
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="an extra flag for loom serve, e.g. --serve-arg=--stream-interval=8 (repeatable)")
     args = parser.parse_args()
+    if args.curl and (args.url is not None or args.request_rate != float("inf")):
+        parser.error("--curl starts its own server (a second load on one server hits the prefix cache) "
+                     "and sends every request at once: drop --url and --request-rate")
     with tempfile.TemporaryDirectory() as root:
         if args.model in SHAPES:
             model_path: str | None = build_random_model(args.model, root)

@@ -206,13 +206,14 @@ def test_seeded_request_ignores_its_batch_companions(llama):
     assert shifted != alone  # the seed decides: the distribution is not too peaked to tell
 
 
-# ---- one stream's decode steps, replayed ------------------------------------------------------
+# ---- decode steps, replayed ---------------------------------------------------------------------
 
 def test_decode_steps_replay_to_the_eager_answer(engines, model_dir, expected_platform):
     """The CPU worker captures a decode step once per batch size and replays it
     (loom.worker.cpu_step_replay): greedy answers equal those of ``enforce_eager`` request after
     request (new block tables, contexts past block boundaries), and for batches whose size
-    changes as requests finish (each size captured at its second step in a row)."""
+    changes as requests finish (each size captured at its CAPTURE_AFTER-th step in a row), and for
+    a batch whose size stays while its requests change (one finishes, a waiting one joins)."""
     replay = engines(model_dir, enable_prefix_caching=False)
     eager = engines(model_dir, enable_prefix_caching=False, enforce_eager=True)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -234,6 +235,13 @@ def test_decode_steps_replay_to_the_eager_answer(engines, model_dir, expected_pl
         assert runner._replay, "a replay differed from its eager step"
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True)
     assert tokens(run(replay, [prompts[2]], seeded)) == tokens(run(eager, [prompts[2]], seeded))
+    # two at a time (max_num_seqs 2): when the short one finishes, the third joins the replayed pairs
+    pairs = engines(model_dir, enable_prefix_caching=False, max_num_seqs=2)
+    lengths = [dataclasses.replace(greedy, max_tokens=n) for n in (10, 40, 30)]
+    assert tokens(run(pairs, prompts[:3], lengths)) == tokens(run(eager, prompts[:3], lengths))
+    if expected_platform == "cpu":
+        paired = pairs.llm_engine.executor.worker.model_runner
+        assert 2 in paired._checked and paired._replay
 
 
 @pytest.mark.parametrize(("graphs", "memory", "kept"), [(2, 256 << 20, {2, 1}), (4, 0, set())])
@@ -252,7 +260,7 @@ def test_replay_keeps_few_graphs(monkeypatch, engines, model_dir, expected_platf
     runner = replay.llm_engine.executor.worker.model_runner
     if expected_platform == "cpu":
         assert set(runner._graphs) == kept and runner._checked <= kept and runner._replay
-        # a graph too large for REPLAY_MEMORY is not captured again at every step of its size
-        assert runner._refused == ({1, 2, 3, 4} if memory == 0 else set())
+        # a step too large for REPLAY_MEMORY keeps its size and larger ones eager, not captured again
+        assert runner._too_large == (1 if memory == 0 else None)
     else:  # the dummy platform's worker runs the contract's runner: every step eager
         assert not hasattr(runner, "_graphs")

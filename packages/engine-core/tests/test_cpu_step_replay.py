@@ -1,4 +1,4 @@
-"""A captured one-stream decode step (loom.worker.cpu_step_replay) replays to the eager answer."""
+"""A captured decode step (loom.worker.cpu_step_replay) replays to the eager answer."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 from loom import platforms
+from loom.layers.attention import Attention
 from loom.model_loader import get_model
 from loom.platforms import cpu_kernels, cpu_qdot
 from loom.worker import cpu_step_replay
@@ -57,7 +58,7 @@ def _eager(model, ids, pos, md):
 def test_replayed_steps_equal_eager_steps(llama, prompts):
     """Capture the first decode step (one request, or a batch of three with different contexts),
     then for 20 more (new tokens, positions, slots, context lengths, block tables that grow) the
-    replay gives the eager step's hidden states exactly."""
+    replay gives the eager step's hidden states exactly and writes the K/V caches as it does."""
     batch = len(prompts)
     h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=batch)
     logits = h.step(dict(enumerate(prompts)))
@@ -77,9 +78,15 @@ def test_replayed_steps_equal_eager_steps(llama, prompts):
         ids, pos, md = h.build_metadata(next_tokens(llama.compute_logits(hidden)))
         md = _in_use(md)
         assert graph.fits(md)
-        want = _eager(llama, ids, pos, md)  # writes this token's K/V; the replay writes the same values
+        caches = [m.kv_cache for m in llama.modules() if isinstance(m, Attention)]
+        before = [c.clone() for c in caches]
+        want = _eager(llama, ids, pos, md)  # writes this token's K/V
+        after = [c.clone() for c in caches]
+        for c, b in zip(caches, before):
+            c.copy_(b)
         hidden = graph.replay(ids, pos, md)
         assert torch.equal(hidden, want)
+        assert all(torch.equal(c, a) for c, a in zip(caches, after)), "the replay wrote K/V elsewhere"
     assert h.seq_lens[0] > 4 * BLOCK  # the context crossed several blocks
     # every compiled-kernel call (paged decode: 17 integer arguments and a float) went through tape_run
     tapes = [fn for fn, _ in graph._runs if isinstance(fn, cpu_step_replay._Tape)]

@@ -4,7 +4,8 @@ A decode step of a given number of requests runs the same kernels on the same bu
 time; what changes is a handful of values (the tokens, their positions and cache slots, the
 context lengths, the block tables). Run eagerly, one stream's step of the default model spends
 more time in Python (modules, ops, argument checks, allocations) around its ~300 kernel calls
-than in them; a batch's step, a tenth of its time, with the second core idle meanwhile.
+than in them; a batch's step, about a tenth of its time, in which the kernels' other threads
+wait.
 
 :class:`StepGraph` captures a step: it runs the model once, eagerly, on static input tensors,
 and records in order every compiled-kernel call (``attention.backends.native.call``: the
@@ -50,6 +51,10 @@ _FROM_PYTHON = {aten._local_scalar_dense.default, aten.lift_fresh.default, aten.
                 aten.lift.default, aten.is_nonzero.default, aten.equal.default}
 
 
+TOO_LARGE = "the step's buffers exceed"
+"""How :meth:`StepGraph.capture`'s reason begins where the step outgrew its ``max_bytes``."""
+
+
 class StepReplayError(RuntimeError):
     """A replayed kernel returned an error code (out of memory, a position outside the rotary
     cache): the step's result is not usable."""
@@ -87,16 +92,19 @@ class _Recorder(TorchDispatchMode):
         # imports torch._dynamo: 2 s and tens of MB in a worker that never compiles
         return False
 
-    def __init__(self, ops: list) -> None:
+    def __init__(self, ops: list, max_bytes: int | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.keep: list[Any] = []  # every tensor the step made: the kernels' int pointers point into them
         self.refused: str | None = None
         self.made: dict[int, int] = {}  # storages the step allocated (not views of the weights or caches): bytes
+        self.max_bytes = max_bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's protocol)
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.refused is not None:
+            return out  # the rest of the step runs eagerly, nothing kept
         self.keep.append(out)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if func in _FROM_PYTHON or torch.Tag.nondeterministic_seeded in func.tags \
@@ -118,6 +126,9 @@ class _Recorder(TorchDispatchMode):
         for o in outs:
             storage = o.untyped_storage()
             self.made[storage.data_ptr()] = storage.nbytes()
+        if self.max_bytes is not None and sum(self.made.values()) > self.max_bytes:
+            self.refused = f"{TOO_LARGE} {self.max_bytes / (1 << 20):.0f} MiB"
+            self.keep.clear()
 
 
 _TAPE_INTS = 20  # cpu_tape.c's TAPE_INTS
@@ -234,10 +245,12 @@ class StepGraph:
 
     @classmethod
     def capture(cls, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                max_blocks: int) -> tuple[StepGraph | None, torch.Tensor, str]:
+                max_blocks: int, max_bytes: int | None = None) -> tuple[StepGraph | None, torch.Tensor, str]:
         """Run ``model`` on this decode step (one token per request) and record it:
         ``(graph or None, the step's hidden states, why not)``. The hidden states are the
-        step's answer either way (the capture is an eager run)."""
+        step's answer either way (the capture is an eager run). Where the buffers the step
+        allocates pass ``max_bytes``, recording stops there (the reason begins with
+        :data:`TOO_LARGE`) and the rest of the step runs as an eager one."""
         if md.max_query_len != 1 or md.num_tokens != md.num_reqs or md.block_tables.shape[1] > max_blocks:
             raise ValueError(f"StepGraph captures decode steps (one token per request) with a block table of at most "
                              f"{max_blocks} blocks, not {md.num_tokens} tokens for {md.num_reqs} requests and "
@@ -257,7 +270,7 @@ class StepGraph:
             slot_mapping=static["slot_mapping"], block_size=md.block_size,
         )
         ops: list = []
-        recorder = _Recorder(ops)
+        recorder = _Recorder(ops, max_bytes)
         native.tape = ops
         try:
             with recorder, set_forward_context(static_md, None):

@@ -104,14 +104,17 @@ def _build(cc: str, source: bytes, stem: str = "paged_decode", what: str = "the 
 
 
 def torch_flash_uses_amx() -> bool:
-    """Whether torch's CPU flash-attention kernel runs its bf16 matmuls on AMX tiles here: the CPU
-    reports AMX-BF16 and torch can use the tiles (the kernel takes oneDNN's brgemm where it can
-    pack for AMX). Then it beats the prefill rows of ``paged_decode_dpbf16.c`` at every length
-    measured (2026-12-06, 2 cores of a Xeon with AMX, the default model's heads, per layer: 16 x
-    128 tokens 1.5 vs 3.9 ms, one prompt of 1,000 3.4 vs 12.9, a chunk of 512 after 1,536 cached
-    5.0 vs 21.2 with its K/V gathered and masked)."""
+    """Whether torch's CPU flash-attention kernel can be expected to run its bf16 matmuls on AMX
+    tiles here (it takes oneDNN's brgemm, which packs for AMX where the CPU has it): the CPU
+    reports AMX-BF16 (``/proc/cpuinfo``, and torch's own CPUID reading agrees) and this torch has
+    oneDNN. Whether the kernel really does is what the measurement says: there it beat the
+    prefill rows of ``paged_decode_dpbf16.c`` at every length measured (2026-12-06, 2 cores of a
+    Xeon with AMX, the default model's heads, per layer: 16 x 128 tokens 1.5 vs 3.9 ms, one prompt
+    of 1,000 3.4 vs 12.9, a chunk of 512 after 1,536 cached 5.0 vs 21.2 with its K/V gathered and
+    masked)."""
     is_supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return "amx_bf16" in cpu_flags() and is_supported is not None and bool(is_supported())
+    return ("amx_bf16" in cpu_flags() and is_supported is not None and bool(is_supported())
+            and torch.backends.mkldnn.is_available())
 
 
 class PagedDecode:
