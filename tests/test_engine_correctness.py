@@ -222,7 +222,7 @@ def test_decode_steps_replay_to_the_eager_answer(engines, model_dir, expected_pl
         assert tokens(run(replay, [prompt], greedy)) == tokens(run(eager, [prompt], greedy))
     runner = replay.llm_engine.executor.worker.model_runner
     if expected_platform == "cpu":
-        assert 1 in runner._graphs and 1 in runner._checked, "the decode step was not captured"
+        assert 1 in runner._graphs and runner._graphs[1].checked, "the decode step was not captured"
         assert not eager.llm_engine.executor.worker.model_runner._graphs
     else:  # the dummy platform's worker runs the contract's runner: every step eager
         assert not hasattr(runner, "_graphs")
@@ -231,7 +231,7 @@ def test_decode_steps_replay_to_the_eager_answer(engines, model_dir, expected_pl
     lengths = [dataclasses.replace(greedy, max_tokens=n) for n in (12, 40, 25)]
     assert tokens(run(replay, prompts[:3], lengths)) == tokens(run(eager, prompts[:3], lengths))
     if expected_platform == "cpu":
-        assert {1, 2, 3} <= set(runner._graphs) and {1, 2, 3} <= runner._checked  # (earlier tests' sizes too)
+        assert {1, 2, 3} <= set(runner._graphs) and all(runner._graphs[n].checked for n in (1, 2, 3))
         assert runner._replay, "a replay differed from its eager step"
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=30, ignore_eos=True)
     assert tokens(run(replay, [prompts[2]], seeded)) == tokens(run(eager, [prompts[2]], seeded))
@@ -241,7 +241,7 @@ def test_decode_steps_replay_to_the_eager_answer(engines, model_dir, expected_pl
     assert tokens(run(pairs, prompts[:3], lengths)) == tokens(run(eager, prompts[:3], lengths))
     if expected_platform == "cpu":
         paired = pairs.llm_engine.executor.worker.model_runner
-        assert 2 in paired._checked and paired._replay
+        assert paired._graphs[2].checked and paired._replay
 
 
 @pytest.mark.parametrize(("graphs", "memory", "kept"), [(2, 256 << 20, {2, 1}), (4, 0, set())])
@@ -259,7 +259,7 @@ def test_replay_keeps_few_graphs(monkeypatch, engines, model_dir, expected_platf
     assert tokens(run(replay, prompts, lengths)) == tokens(run(eager, prompts, lengths))  # 4, 3, 2, 1 a step
     runner = replay.llm_engine.executor.worker.model_runner
     if expected_platform == "cpu":
-        assert set(runner._graphs) == kept and runner._checked <= kept and runner._replay
+        assert set(runner._graphs) == kept and runner._replay
         # a step too large for REPLAY_MEMORY keeps its size and larger ones eager, not captured again
         assert runner._too_large == (1 if memory == 0 else None)
     else:  # the dummy platform's worker runs the contract's runner: every step eager

@@ -68,7 +68,7 @@ def test_replayed_steps_equal_eager_steps(llama, prompts):
         return {r: [int(t)] for r, t in enumerate(logits.argmax(-1).tolist())}
 
     ids, pos, md = h.build_metadata(next_tokens(logits[ends]))
-    graph, hidden, why = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS)
+    graph, hidden, why, _ = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS)
     if not CPU:
         assert graph is None and "no compiled kernel" in why, why
         return
@@ -101,7 +101,7 @@ def test_a_kernel_that_fails_in_the_tape_is_named(llama):
     h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=1)
     h.step({0: [7, 250, 3]})
     ids, pos, md = h.build_metadata({0: [5]})
-    graph, _, why = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS)
+    graph, _, why, _ = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS)
     if not CPU:
         assert graph is None and "no compiled kernel" in why, why
         return
@@ -109,6 +109,31 @@ def test_a_kernel_that_fails_in_the_tape_is_named(llama):
     with pytest.raises(StepReplayError, match="rotary"):
         graph.replay(ids, torch.full_like(pos, 10_000), _in_use(md))
 
+
+
+@torch.inference_mode()
+def test_a_capture_stops_where_its_buffers_pass_max_bytes(llama):
+    """``nbytes`` counts the static inputs with what the step allocates; one byte more than a
+    capture may keep refuses it as too large (and only that refusal says so), while the step's
+    answer is the eager one either way."""
+    h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=2)
+    h.step({0: [7, 250, 3], 1: [5, 6]})
+    ids, pos, md = h.build_metadata({0: [5], 1: [9]})
+    md = _in_use(md)
+    graph, _, why, too_large = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS)
+    if not CPU:
+        assert graph is None and "no compiled kernel" in why and not too_large, why
+        return
+    assert graph is not None and not too_large, why
+    inputs = sum(t.untyped_storage().nbytes() for t in graph._inputs.values())
+    assert graph.nbytes > inputs
+    want = _eager(llama, ids, pos, md)
+    exact = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS, max_bytes=graph.nbytes)
+    assert exact.graph is not None and exact.graph.nbytes == graph.nbytes and not exact.too_large
+    for limit in (graph.nbytes - 1, inputs - 1):  # the step's buffers, then its inputs alone, pass it
+        over = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS, max_bytes=limit)
+        assert over.graph is None and over.too_large and "exceed" in over.why, over.why
+        assert torch.equal(over.output, want)
 
 def test_only_calls_tape_run_can_make_are_taped():
     """``tape_run`` passes 20 integer-class arguments and one float: a call with more, with a
@@ -141,7 +166,7 @@ def test_a_step_that_does_not_fit_is_told_apart(llama):
     h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=2)
     h.step({0: [1, 2, 3], 1: [4, 5]})
     ids, pos, md = h.build_metadata({0: [6]})  # 4 tokens: one block
-    graph, _, why = StepGraph.capture(llama, ids, pos, _in_use(md), 2)
+    graph, _, why, _ = StepGraph.capture(llama, ids, pos, _in_use(md), 2)
     if not CPU:
         assert graph is None and "no compiled kernel" in why, why
         return
@@ -181,7 +206,7 @@ def test_kernels_and_torch_ops_replay_in_order():
     torch.manual_seed(0)
     model = _KernelAndTorch()
     md = _metadata()
-    graph, _, why = StepGraph.capture(model, torch.tensor([3]), torch.tensor([2]), md, 1)
+    graph, _, why, _ = StepGraph.capture(model, torch.tensor([3]), torch.tensor([2]), md, 1)
     assert graph is not None, why
     for tok, p in ((17, 5), (49, 9)):
         ids, pos = torch.tensor([tok]), torch.tensor([p])
@@ -234,7 +259,7 @@ def test_a_replay_is_checked_against_the_eager_step():
     check, and what the eager step wrote is what stays; a faithful graph passes it."""
     md, ids, pos = _metadata(), torch.tensor([3]), torch.tensor([2])
     model = _PythonValueToKernel()
-    graph, first, why = StepGraph.capture(model, ids, pos, md, 1)
+    graph, first, why, _ = StepGraph.capture(model, ids, pos, md, 1)
     assert graph is not None, why
     eager, same = graph.check(model, ids, pos, md)
     assert not same  # the replay used eps = 1 again, the eager step eps = 3
@@ -242,7 +267,7 @@ def test_a_replay_is_checked_against_the_eager_step():
     assert torch.equal(model.kept, eager)  # the eager step's write, not the replay's
     torch.manual_seed(0)
     model = _KernelAndTorch()
-    graph, _, why = StepGraph.capture(model, ids, pos, md, 1)
+    graph, _, why, _ = StepGraph.capture(model, ids, pos, md, 1)
     eager, same = graph.check(model, torch.tensor([40]), torch.tensor([7]), md)
     assert same
     assert torch.equal(eager, model(torch.tensor([40]), torch.tensor([7])))
@@ -256,7 +281,7 @@ def test_a_replay_is_checked_against_the_eager_step():
 def test_capture_is_refused_where_a_replay_would_be_wrong(module, reason):
     """A value read into Python, a tensor built from Python data or random numbers would be
     replayed as captured: the step stays eager, and says why."""
-    graph, out, why = StepGraph.capture(module(), torch.tensor([3]), torch.tensor([2]), _metadata(), 1)
+    graph, out, why, _ = StepGraph.capture(module(), torch.tensor([3]), torch.tensor([2]), _metadata(), 1)
     assert graph is None
     assert reason in why
     assert out is not None  # the capture run is the step's eager answer
@@ -305,7 +330,7 @@ def test_every_linear_kernel_replays_through_the_tape(dtype):
     assert k is not None, "the CPU kernels did not build: the tests need a C compiler with OpenMP"
     model = _EveryLinearKernel(dtype)
     md = _metadata()
-    graph, _, why = StepGraph.capture(model, torch.tensor([3]), torch.tensor([2]), md, 1)
+    graph, _, why, _ = StepGraph.capture(model, torch.tensor([3]), torch.tensor([2]), md, 1)
     assert graph is not None, why
     names = {fn.__name__ for fn, _ in graph._ops if isinstance(fn, ctypes._CFuncPtr)}
     suffix = "f32" if dtype == torch.float32 else "bf16"

@@ -14,7 +14,7 @@ function and its plain-int arguments) and every torch op that computes (a
 buffers, which the graph keeps alive. A replay writes the new inputs into the static tensors
 and repeats the list; each run of compiled-kernel calls that ``platforms/cpu_tape.c`` can make
 goes in one call into C (``tape_run``: about 1.5 us of Python a call otherwise), the others stay
-ctypes calls. Capture is refused (``StepGraph.capture`` returns None and says why)
+ctypes calls. Capture is refused (``StepGraph.capture`` returns no graph and says why)
 where the step reads a tensor into Python (``.item()``), builds a tensor from Python data
 (``torch.tensor``, ``torch.from_numpy``: ``lift_fresh``) or draws random numbers: a replay would
 repeat the captured value. A Python value passed straight to a kernel (an int argument computed
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -42,17 +42,13 @@ from ..platforms import cpu_kernels
 
 logger = init_logger(__name__)
 
-__all__ = ["StepGraph", "StepReplayError"]
+__all__ = ["Capture", "StepGraph", "StepReplayError"]
 
 aten = torch.ops.aten
 _ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                 aten.new_empty.default, aten.new_empty_strided.default}
 _FROM_PYTHON = {aten._local_scalar_dense.default, aten.lift_fresh.default, aten.lift_fresh_copy.default,
                 aten.lift.default, aten.is_nonzero.default, aten.equal.default}
-
-
-TOO_LARGE = "the step's buffers exceed"
-"""How :meth:`StepGraph.capture`'s reason begins where the step outgrew its ``max_bytes``."""
 
 
 class StepReplayError(RuntimeError):
@@ -97,8 +93,10 @@ class _Recorder(TorchDispatchMode):
         self.ops = ops
         self.keep: list[Any] = []  # every tensor the step made: the kernels' int pointers point into them
         self.refused: str | None = None
-        self.made: dict[int, int] = {}  # storages the step allocated (not views of the weights or caches): bytes
+        self.made: set[int] = set()  # the graph's storages: its static inputs, what the step allocated
+        self.nbytes = 0  # their bytes
         self.max_bytes = max_bytes
+        self.too_large = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's protocol)
         kwargs = kwargs or {}
@@ -112,22 +110,27 @@ class _Recorder(TorchDispatchMode):
             # (before the view test: lift_fresh, a tensor of Python data, "aliases" its input)
             self.refused = self.refused or f"the step runs {func} (a value from or to Python, or random numbers)"
         elif func in _ALLOCATIONS:
-            self._made(outs)
+            self.made_by_step(outs)
         elif _is_view(func, args, outs):
             return out
         elif func._schema.is_mutable:
             self.ops.append((_again, (func, args, kwargs)))
         else:
-            self._made(outs)
+            self.made_by_step(outs)
             self.ops.append((_again_into, (func, args, kwargs, outs)))
         return out
 
-    def _made(self, outs: Sequence[torch.Tensor]) -> None:
-        for o in outs:
-            storage = o.untyped_storage()
-            self.made[storage.data_ptr()] = storage.nbytes()
-        if self.max_bytes is not None and sum(self.made.values()) > self.max_bytes:
-            self.refused = f"{TOO_LARGE} {self.max_bytes / (1 << 20):.0f} MiB"
+    def made_by_step(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Count ``tensors``' storages among the graph's buffers; recording stops where they pass
+        ``max_bytes``."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.made:
+                self.made.add(storage.data_ptr())
+                self.nbytes += storage.nbytes()
+        if self.max_bytes is not None and self.nbytes > self.max_bytes:
+            self.too_large = True
+            self.refused = f"the step's buffers exceed {self.max_bytes / (1 << 20):.0f} MiB"
             self.keep.clear()
 
 
@@ -217,11 +220,23 @@ def _taped(ops: list[tuple[Callable[..., int], tuple]]) -> list[tuple[Callable[.
     return out
 
 
+class Capture(NamedTuple):
+    """What :meth:`StepGraph.capture` gives."""
+
+    graph: StepGraph | None
+    output: torch.Tensor
+    """The step's hidden states (``(batch, hidden)``)."""
+    why: str
+    """Why ``graph`` is None ("" where it is not)."""
+    too_large: bool
+    """Whether that is because the graph's buffers passed ``max_bytes``."""
+
+
 class StepGraph:
     """A captured decode step of ``batch`` requests of one token each (see the module)."""
 
     def __init__(self, ops: list[tuple[Callable[..., int], tuple]], keep: list[Any], inputs: dict[str, torch.Tensor],
-                 output: torch.Tensor, max_blocks: int, nbytes: int = 0) -> None:
+                 output: torch.Tensor, max_blocks: int, nbytes: int) -> None:
         self._ops = ops
         self._runs = _taped(ops)
         """What a replay calls: ``ops``, each run of compiled-kernel calls in one ``tape_run``."""
@@ -231,8 +246,11 @@ class StepGraph:
         """The step's hidden states ``(batch, hidden)``, rewritten by every replay."""
         self.max_blocks = max_blocks
         """The longest block table a replay takes (the model's context length)."""
-        self.nbytes = nbytes + sum(t.untyped_storage().nbytes() for t in inputs.values())
+        self.nbytes = nbytes
         """The memory the graph keeps alive: the buffers the step allocated and its static inputs."""
+        self.checked = False
+        """Whether a replay was found to give what the eager step gives (:meth:`check`); the
+        runner sets it."""
 
     @property
     def batch(self) -> int:
@@ -245,12 +263,11 @@ class StepGraph:
 
     @classmethod
     def capture(cls, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                max_blocks: int, max_bytes: int | None = None) -> tuple[StepGraph | None, torch.Tensor, str]:
-        """Run ``model`` on this decode step (one token per request) and record it:
-        ``(graph or None, the step's hidden states, why not)``. The hidden states are the
-        step's answer either way (the capture is an eager run). Where the buffers the step
-        allocates pass ``max_bytes``, recording stops there (the reason begins with
-        :data:`TOO_LARGE`) and the rest of the step runs as an eager one."""
+                max_blocks: int, max_bytes: int | None = None) -> Capture:
+        """Run ``model`` on this decode step (one token per request) and record it. The hidden
+        states are the step's answer either way (the capture is an eager run). Where the graph's
+        buffers (its static inputs and what the step allocates) pass ``max_bytes``, recording
+        stops there (``Capture.too_large``) and the rest of the step runs as an eager one."""
         if md.max_query_len != 1 or md.num_tokens != md.num_reqs or md.block_tables.shape[1] > max_blocks:
             raise ValueError(f"StepGraph captures decode steps (one token per request) with a block table of at most "
                              f"{max_blocks} blocks, not {md.num_tokens} tokens for {md.num_reqs} requests and "
@@ -271,6 +288,7 @@ class StepGraph:
         )
         ops: list = []
         recorder = _Recorder(ops, max_bytes)
+        recorder.made_by_step(list(static.values()))
         native.tape = ops
         try:
             with recorder, set_forward_context(static_md, None):
@@ -281,9 +299,9 @@ class StepGraph:
         if why is None and not any(isinstance(fn, ctypes._CFuncPtr) for fn, _ in ops):
             why = "the step calls no compiled kernel (nothing to gain)"
         if why is not None:
-            return None, output, why
-        graph = cls(ops, recorder.keep + [static_md], static, output, max_blocks, sum(recorder.made.values()))
-        return graph, output, ""
+            return Capture(None, output, why, recorder.too_large)
+        graph = cls(ops, recorder.keep + [static_md], static, output, max_blocks, recorder.nbytes)
+        return Capture(graph, output, "", False)
 
     def fits(self, md: AttentionMetadata) -> bool:
         return (md.num_reqs == self.batch and md.num_tokens == md.num_reqs

@@ -17,7 +17,7 @@ from ..attention.backends import native
 from ..attention.backends.torch_sdpa import TorchSDPAImpl
 from ..logger import init_logger
 from ..platforms import cpu_kernels
-from .cpu_step_replay import TOO_LARGE, StepGraph, StepReplayError
+from .cpu_step_replay import StepGraph, StepReplayError
 
 logger = init_logger(__name__)
 
@@ -50,7 +50,6 @@ class CpuModelRunner(ModelRunner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._graphs: OrderedDict[int, StepGraph] = OrderedDict()
-        self._checked: set[int] = set()  # batch sizes whose graph's first replay matched an eager run
         self._too_large: int | None = None  # the smallest batch size whose step outgrew REPLAY_MEMORY
         self._streak = (0, 0)  # (batch size, decode steps in a row of it) up to this step
         kernel, dtype = native.paged_decode(), self.config.model_config.torch_dtype
@@ -64,7 +63,6 @@ class CpuModelRunner(ModelRunner):
     def initialize_cache(self, num_blocks: int) -> None:
         super().initialize_cache(num_blocks)
         self._graphs.clear()  # they point into the old cache
-        self._checked.clear()
 
     def run_model(self, inputs: ModelInput) -> torch.Tensor:
         md = inputs.attn_metadata
@@ -82,11 +80,9 @@ class CpuModelRunner(ModelRunner):
         max_blocks = math.ceil(self.config.model_config.max_model_len / md.block_size)
         if md.block_tables.shape[1] > max_blocks or (batch > 1 and streak < CAPTURE_AFTER):
             return super().run_model(inputs)
-        graph, hidden, why = StepGraph.capture(self.model, inputs.input_ids, inputs.positions, md, max_blocks,
-                                               REPLAY_MEMORY)
-        if graph is not None and graph.nbytes > REPLAY_MEMORY:  # its static inputs tipped it over
-            graph, why = None, f"{TOO_LARGE} {REPLAY_MEMORY / (1 << 20):.0f} MiB"
-        if graph is None and why.startswith(TOO_LARGE):
+        graph, hidden, why, too_large = StepGraph.capture(self.model, inputs.input_ids, inputs.positions, md,
+                                                          max_blocks, REPLAY_MEMORY)
+        if too_large:
             self._too_large = batch
             logger.info("Decode steps of %d or more requests run eagerly: %s (REPLAY_MEMORY)", batch, why)
         elif graph is None:
@@ -94,9 +90,8 @@ class CpuModelRunner(ModelRunner):
             logger.info("Decode steps run eagerly: %s", why)
         else:
             self._graphs[batch] = graph
-            self._checked.discard(batch)
             while len(self._graphs) > REPLAY_GRAPHS or sum(g.nbytes for g in self._graphs.values()) > REPLAY_MEMORY:
-                self._checked.discard(self._graphs.popitem(last=False)[0])
+                self._graphs.popitem(last=False)
             logger.debug("Captured a decode step of %d request(s): %d operations, %.1f MiB", batch, graph.num_ops,
                          graph.nbytes / (1 << 20))
         return hidden
@@ -106,7 +101,7 @@ class CpuModelRunner(ModelRunner):
         failure or a difference turns replay off for good (the eager step answers)."""
         md = inputs.attn_metadata
         try:
-            if graph.batch in self._checked:
+            if graph.checked:
                 return graph.replay(inputs.input_ids, inputs.positions, md)
             hidden, same = graph.check(self.model, inputs.input_ids, inputs.positions, md)
         except StepReplayError as e:  # a kernel's error code: the eager step raises it properly, or runs
@@ -114,7 +109,7 @@ class CpuModelRunner(ModelRunner):
             logger.warning("A replayed decode step failed (%s); decode steps run eagerly from now on", e)
             return super().run_model(inputs)  # rewrites whatever K/V the replay wrote for this token
         if same:
-            self._checked.add(graph.batch)
+            graph.checked = True
         else:
             self._stop_replay()
             logger.warning("A replayed decode step differed from the eager step; decode steps run eagerly from "
@@ -124,7 +119,6 @@ class CpuModelRunner(ModelRunner):
     def _stop_replay(self) -> None:
         self._replay = False
         self._graphs.clear()
-        self._checked.clear()
 
 
 class CPUWorker(_ContractCPUWorker):
