@@ -387,6 +387,34 @@ def test_recv_nowait_never_blocks_and_hands_out_what_arrived() -> None:
     conn.close()
 
 
+
+def test_send_waits_on_a_full_socket_that_an_event_loop_made_non_blocking() -> None:
+    """uvloop's ``add_reader`` sets the socket non-blocking: a frame larger than the socket
+    buffers still goes out whole, sent as the reader makes room, never half a frame."""
+    import socket
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    conn, peer = client.Client(a, "frontend"), client.Client(b, "engine_core")
+    body = bytes(range(256)) * 16384  # 4 MiB: far more than the socket buffers hold
+    sent: list[BaseException | None] = []
+
+    def send() -> None:
+        try:
+            conn.send("engine_core", "X", body)
+            sent.append(None)
+        except BaseException as e:  # noqa: BLE001 (reported by the assertion below)
+            sent.append(e)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.2)  # the sender fills the buffers and waits
+    assert peer.recv(10.0) == client.Frame(1, "frontend", "engine_core", "X", body)
+    sender.join(10)
+    assert sent == [None]
+    conn.close()
+    peer.close()
+
 def test_relay_between_four_children(child: Path, tmp_path: Path) -> None:
     serve = Serve(make_plan(child, "relay", FOUR), tmp_path / "xdg")
     assert serve.finish() == 0, serve.text

@@ -259,10 +259,17 @@ class Client:
         self._recv_lock = threading.Lock()
 
     def send(self, dst: str, kind: str, body: bytes = b"") -> None:
-        """Sends one frame from this process to ``dst`` (an address or ``workers``)."""
-        data = encode(self.address, dst, kind, body)
+        """Sends one frame from this process to ``dst`` (an address or ``workers``), waiting
+        while the socket is full, even where something made it non-blocking: an event loop
+        reading it (uvloop's ``add_reader`` does), which ``sendall`` would answer with
+        ``BlockingIOError`` part-way through a frame."""
+        data = memoryview(encode(self.address, dst, kind, body))
         with self._send_lock:
-            self._sock.sendall(data)
+            while data:
+                try:
+                    data = data[self._sock.send(data):]
+                except (BlockingIOError, InterruptedError):
+                    select.select([], [self._sock], [])
 
     @overload
     def recv(self, timeout: None = None) -> Frame: ...

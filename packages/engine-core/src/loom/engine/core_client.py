@@ -11,7 +11,9 @@ Frames are written by a thread of their own, never by the event loop: when the e
 stops reading (stopped, or slower than the requests come), the supervisor's outbox fills and
 a write would block. Up to ``MAX_QUEUED_ADDS`` new requests may wait to be written; past that
 ``add_request`` refuses with ``EngineOverloadedError`` (a 503 with a retry hint) and the front
-end keeps answering. Aborts always queue, in order after the request they abort.
+end keeps answering. Aborts always queue, in order after the request they abort. A write that
+fails ends the engine for the front end as a closed connection does (``on_engine_dead``): with
+the writer gone, a request queued after it would otherwise wait forever.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class ProcCoreConnection(CoreConnection):
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._queued_adds = 0
         self._count_lock = threading.Lock()
+        self._client: EngineClient | None = None  # told when a write fails (set by ``start``)
         self._writer = threading.Thread(target=self._write, name="loom-core-writer", daemon=True)
         self._writer.start()
 
@@ -62,8 +65,13 @@ class ProcCoreConnection(CoreConnection):
             msg = self._outbox.get()
             try:
                 self.channel.send("engine_core", msg)
-            except OSError:
-                return  # the supervisor is gone; the reader reports it
+            except OSError as e:  # the supervisor is gone (the reader hears it too; the first report wins)
+                if self._client is not None:
+                    self._client.on_engine_dead(f"the front end could not write to the supervisor "
+                                                f"({type(e).__name__}: {e})")
+                else:
+                    logger.error("The front end could not write to the supervisor: %s", e)
+                return
             except Exception:  # a message that does not encode: a bug; its request never gets an answer
                 logger.exception("The front end could not send a %s", type(msg).__name__)
             finally:
@@ -78,6 +86,7 @@ class ProcCoreConnection(CoreConnection):
         """Read on the running event loop, the ``on_*`` reports running there too; called
         without a running loop (or with a supervisor client that cannot read without blocking),
         on a reader thread of its own (``_run``)."""
+        self._client = client
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
