@@ -4,14 +4,34 @@
  * The portable kernel widens every K element to fp32 and ends each score with a horizontal sum
  * of one vector: at a decode batch of 64 it computes about 47 GFLOP/s on two cores, so it is
  * bound by instructions, not by the K/V it reads. Here:
+ *   - the decode item's cache slots (row, KV heads, tokens as in the portable kernel) are found
+ *     once, a division by the block size for the item instead of one per token and use.
  *   - Q.K: `vdpbf16ps` multiplies K's bf16 pairs by the query's without widening (the products
  *     are exact in fp32; pairs are summed in fp32), 32 elements an instruction, and the 16
  *     scores of a tile of 16 tokens are reduced together (a tree of 45 shuffles and adds for
- *     16 vectors instead of a reduction per score); the scale is applied to the sums.
- *   - softmax as in the portable kernel.
+ *     16 vectors instead of a reduction per score); the scale is applied to the sums. The loop
+ *     is compiled for each D / 32, so a head's K row stays in registers.
+ *   - softmax in 16 lanes (the portable kernel's polynomial), left unnormalized: P.V divides
+ *     its D sums by the softmax's sum instead of dividing every probability.
  *   - P.V: the probabilities stay fp32 (decode rows; prefill rows round them, see below); V is
- *     widened 16 elements at a time and accumulated with FMAs for up to four query heads of the
- *     group and 64 elements of D in registers.
+ *     widened without a shuffle (see pv_part) and accumulated with FMAs for up to four query
+ *     heads of the group and 64 elements of D in registers.
+ * Measured 2026-12-06 on this machine's 2 cores (Xeon with AVX512-BF16 and AMX), ms a layer, the
+ * decode path before this version -> after, the two built alike and alternated in one run:
+ *   cache-warm (one layer's K/V called again and again), 1 / 2 threads:
+ *     64 rows x 160 tokens, 9/3 heads of 64:   1.15 -> 0.79 / 0.65 -> 0.44
+ *     64 x 128: 0.91 -> 0.62 / 0.51 -> 0.36;   64 x 192: 1.40 -> 0.95 / 0.59 -> 0.41
+ *     16 x 300: 0.55 -> 0.41 / 0.31 -> 0.23;   8 x 500: 0.47 -> 0.35 / 0.26 -> 0.18
+ *     1 x 200: 0.036 -> 0.028 / 0.031 -> 0.026; 1 x 1500 (split): 0.16 -> 0.11 / 0.096 -> 0.067
+ *     64 x 160, 12/12 heads of 64 (OPT-125m): 3.52 -> 2.35 / 1.74 -> 1.24
+ *     16 x 300, 32/8 heads of 128: 3.02 -> 2.43 / 1.64 -> 1.26
+ *   30 layers' K/V called in turn (as in a model's step, mostly from memory), 1 / 2 threads:
+ *     64 x 160: 1.73 -> 1.39 / 0.92 -> 0.77;   16 x 300: 0.84 -> 0.66 / 0.46 -> 0.37
+ *     1 x 1000: 0.26 -> 0.22 / 0.19 -> 0.16;   64 x 160 OPT-125m: 6.18 -> 5.10 / 3.01 -> 2.54
+ *   From memory the kernel still computes and waits in turn (11.5 GB/s of K/V on two cores where
+ *     a plain sum reads 22 GB/s): the next item's K/V is asked for while one computes (see the
+ *     prefetcher in paged_decode.c), and taking the asking away is faster cache-warm (0.40 vs
+ *     0.43 ms) but slower from memory (0.80 vs 0.69).
  * Used for D % 32 == 0 (every head size of common models but 80 and 8); `paged_decode_bf16`
  * (the exported entry, at the end) sends other sizes and CPUs without the extension to the
  * portable kernel. The results equal the portable kernel's up to the fp32 rounding of the
@@ -52,92 +72,192 @@ static const bf16_t zero_row[32 * MAX_DV32]; /* the keys of a tile past the cont
 
 typedef uint32_t u32_alias __attribute__((may_alias)); /* a bf16 pair, read from bf16 storage */
 
-/* scores[r * stride + t - tb] = scale * q_r . k_t for the g query heads of KV head kh, tb <= t < ctx
- * (written up to ctx rounded up to 16 from tb) */
-static inline void qk_dp(const bf16_t *q, const bf16_t *k_cache, const int64_t *table, int64_t block_size,
-                         int64_t row, int64_t kh, int64_t tb, int64_t ctx, int64_t g, int64_t D, float scale,
-                         float *scores, int64_t stride, prefetcher *pf) {
-    const int64_t dv = D / 32;
+/* ---- Decode: one query row, a range of its KV heads, a range of its context ----
+ * The item's cache slots are found once (one division by the block size for the whole item;
+ * a division per token cost more than the arithmetic it addressed). */
+
+/* slots[u] = the cache slot of token tb + u, 0 <= u < n */
+static inline void item_slots(const int64_t *table, int64_t block_size, int64_t tb, int64_t n, int64_t *slots) {
+    int64_t blk = tb / block_size, off = tb % block_size;
+    for (int64_t u = 0; u < n; u++) {
+        slots[u] = table[blk] * block_size + off;
+        if (++off == block_size) off = 0, blk++;
+    }
+}
+
+/* scores[r * stride + u] = scale * q_r . k_u for the g query heads of one KV head, 0 <= u < n, keys
+ * at k + slots[u] * row (written up to n rounded up to 16; the keys past n are zero); D = 32 * DV */
+static inline __attribute__((always_inline)) void qk_part(const bf16_t *q, const bf16_t *k, const int64_t *slots,
+                                                          int64_t row, int64_t n, int64_t g, float scale,
+                                                          float *scores, int64_t stride, prefetcher *pf,
+                                                          const int DV) {
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t t0 = tb; t0 < ctx; t0 += 16) {
+    for (int64_t u0 = 0; u0 < n; u0 += 16) {
         const bf16_t *kp[16];
-        for (int j = 0; j < 16; j++) {
-            const int64_t t = t0 + j;
-            kp[j] = t < ctx ? k_cache + (table[t / block_size] * block_size + t % block_size) * row + kh * D
-                            : zero_row;
-        }
-        for (int64_t f = t0 + 16; f < t0 + 32 && f < ctx; f++) { /* the next tile: blocks are scattered */
-            const char *p = (const char *)(k_cache + (table[f / block_size] * block_size + f % block_size) * row
-                                           + kh * D);
-            for (int64_t l = 0; l < D * (int64_t)sizeof(bf16_t); l += 64) __builtin_prefetch(p + l);
+        for (int j = 0; j < 16; j++) kp[j] = u0 + j < n ? k + slots[u0 + j] * row : zero_row;
+        for (int64_t f = u0 + 16; f < u0 + 32 && f < n; f++) { /* the next tile: blocks are scattered */
+            const char *p = (const char *)(k + slots[f] * row);
+            for (int l = 0; l < DV; l++) __builtin_prefetch(p + 64 * l);
         }
         for (int64_t r = 0; r < g; r++) {
             prefetch_some(pf);
             __m512bh qv[MAX_DV32];
-            for (int64_t c = 0; c < dv; c++) qv[c] = load_bh(q + r * D + 32 * c);
+            for (int c = 0; c < DV; c++) qv[c] = load_bh(q + r * 32 * DV + 32 * c);
             __m512 a[16];
 #pragma GCC unroll 16
             for (int j = 0; j < 16; j++) {
                 __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load_bh(kp[j]));
-                for (int64_t c = 1; c < dv; c++) s = _mm512_dpbf16_ps(s, qv[c], load_bh(kp[j] + 32 * c));
+                for (int c = 1; c < DV; c++) s = _mm512_dpbf16_ps(s, qv[c], load_bh(kp[j] + 32 * c));
                 a[j] = s;
             }
-            _mm512_storeu_ps(scores + r * stride + t0 - tb, _mm512_mul_ps(reduce16(a), vscale));
+            _mm512_storeu_ps(scores + r * stride + u0, _mm512_mul_ps(reduce16(a), vscale));
         }
     }
 }
 
-/* acc (NR heads x ND * 16 elements of D from d0) = sum over tb <= t < ctx of p[r][t - tb] * v_t;
- * into out rows (bf16), or where of is not NULL into its rows of os floats */
-static inline __attribute__((always_inline)) void pv_tile(const bf16_t *v_cache, const int64_t *table,
-                                                          int64_t block_size, int64_t row, int64_t kh, int64_t tb,
-                                                          int64_t ctx, int64_t D, const float *p, int64_t stride,
-                                                          int64_t d0, bf16_t *o, float *of, int64_t os,
-                                                          prefetcher *pf, const int NR, const int ND) {
-    __m512 acc[4][4];
-    for (int r = 0; r < NR; r++) for (int c = 0; c < ND; c++) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t t = tb; t < ctx; t++) {
-        const bf16_t *v = v_cache + (table[t / block_size] * block_size + t % block_size) * row + kh * D + d0;
-        if ((t & 3) == 0) prefetch_some(pf);
-        if (t + 8 < ctx) {
-            const int64_t f = t + 8;
-            __builtin_prefetch(v_cache + (table[f / block_size] * block_size + f % block_size) * row + kh * D + d0);
-        }
-        __m512 x[4];
-        for (int c = 0; c < ND; c++) x[c] = widen16(v + 16 * c);
-        for (int r = 0; r < NR; r++) {
-            const __m512 w = _mm512_set1_ps(p[r * stride + t - tb]);
-            for (int c = 0; c < ND; c++) acc[r][c] = _mm512_fmadd_ps(w, x[c], acc[r][c]);
-        }
+static void qk_dp(const bf16_t *q, const bf16_t *k, const int64_t *slots, int64_t row, int64_t n, int64_t g,
+                  int64_t D, float scale, float *scores, int64_t stride, prefetcher *pf) {
+    switch (D / 32) {
+#define QK_CASE(DV) case DV: qk_part(q, k, slots, row, n, g, scale, scores, stride, pf, DV); break;
+    QK_CASE(1) QK_CASE(2) QK_CASE(3) QK_CASE(4) QK_CASE(5) QK_CASE(6) QK_CASE(7) QK_CASE(8)
+#undef QK_CASE
     }
+}
+
+/* e^x for x <= 0, 16 lanes: exp_nonpositive of paged_decode.c (the same polynomial) */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_maskz_mov_ps(keep, x);
+    const __m512i n = _mm512_cvttps_epi32(_mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
+    const __m512 nf = _mm512_cvtepi32_ps(n);
+    const __m512 r = _mm512_fmadd_ps(nf, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i scaled = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(n, 23));
+    return _mm512_maskz_mov_ps(keep, _mm512_castsi512_ps(scaled));
+}
+
+/* each of g rows of scores (row stride `stride`, n values): e^(s - max) in place, unnormalized;
+ * ml[2r] = row r's max, ml[2r + 1] its sum of exponentials (P.V divides by it at the end) */
+static inline void softmax_dp(float *scores, int64_t g, int64_t stride, int64_t n, float *ml) {
+    const __mmask16 last = (__mmask16)(0xFFFFu >> ((16 - n % 16) % 16)); /* the valid lanes of the last tile */
+    const int64_t full = (n - 1) / 16 * 16;                                 /* where the last tile starts */
+    for (int64_t r = 0; r < g; r++) {
+        float *s = scores + r * stride;
+        __m512 m = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), last, s + full);
+        for (int64_t u = 0; u < full; u += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + u));
+        const float mx = _mm512_reduce_max_ps(m);
+        const __m512 vm = _mm512_set1_ps(mx);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t u = 0; u < full; u += 16) {
+            const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + u), vm));
+            _mm512_storeu_ps(s + u, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 e = _mm512_maskz_mov_ps(last, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + full), vm)));
+        _mm512_storeu_ps(s + full, e);
+        ml[2 * r] = mx, ml[2 * r + 1] = _mm512_reduce_add_ps(_mm512_add_ps(sum, e));
+    }
+}
+
+/* NR heads' P.V over n tokens for 32 * NC elements of D, values at v + slots[u] * row; divided by
+ * the heads' sums (ml[2r + 1]) into o (bf16, rows of os) or, where of is not NULL, its fp32 rows.
+ * V is widened without a shuffle: a 32-bit lane of 32 bf16 holds elements 2i (low half) and
+ * 2i + 1 (high half), `<< 16` and `& 0xFFFF0000` make them floats, and the even and odd
+ * elements are accumulated apart and interleaved once at the end. */
+static inline __attribute__((always_inline)) void pv_part(const bf16_t *v, const int64_t *slots, int64_t row,
+                                                          int64_t n, const float *p, int64_t stride, const float *ml,
+                                                          bf16_t *o, float *of, int64_t os, prefetcher *pf,
+                                                          const int NR, const int NC) {
+    __m512 ev[4][2], od[4][2];
     for (int r = 0; r < NR; r++)
-        for (int c = 0; c < ND; c++) {
-            if (of) _mm512_storeu_ps(of + r * os + d0 + 16 * c, acc[r][c]);
-            else _mm256_storeu_si256((void *)(o + r * os + d0 + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[r][c]));
+        for (int c = 0; c < NC; c++) ev[r][c] = od[r][c] = _mm512_setzero_ps();
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t u = 0; u < n; u++) {
+        const bf16_t *x = v + slots[u] * row;
+        if ((u & 3) == 0) prefetch_some(pf);
+        if (u + 8 < n) __builtin_prefetch(v + slots[u + 8] * row);
+        __m512 xe[2], xo[2];
+        for (int c = 0; c < NC; c++) {
+            const __m512i b = _mm512_loadu_si512((const void *)(x + 32 * c));
+            xe[c] = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+            xo[c] = _mm512_castsi512_ps(_mm512_and_si512(b, high));
         }
+        for (int r = 0; r < NR; r++) {
+            const __m512 w = _mm512_set1_ps(p[r * stride + u]);
+            for (int c = 0; c < NC; c++) {
+                ev[r][c] = _mm512_fmadd_ps(w, xe[c], ev[r][c]);
+                od[r][c] = _mm512_fmadd_ps(w, xo[c], od[r][c]);
+            }
+        }
+    }
+    const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int r = 0; r < NR; r++) {
+        const __m512 inv = _mm512_set1_ps(1.f / ml[2 * r + 1]);
+        for (int c = 0; c < NC; c++) {
+            const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(ev[r][c], lo, od[r][c]), inv);
+            const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(ev[r][c], hi, od[r][c]), inv);
+            if (of) {
+                _mm512_storeu_ps(of + r * os + 32 * c, a);
+                _mm512_storeu_ps(of + r * os + 32 * c + 16, b);
+            } else {
+                _mm512_storeu_si512((void *)(o + r * os + 32 * c), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+            }
+        }
+    }
 }
 
-#define PV_CASE(NR)                                                                                     \
-    switch (nd) {                                                                                       \
-    case 4: pv_tile(v_cache, table, block_size, row, kh, tb, ctx, D, p, stride, d0, o, of, os, pf, NR, 4); break; \
-    case 3: pv_tile(v_cache, table, block_size, row, kh, tb, ctx, D, p, stride, d0, o, of, os, pf, NR, 3); break; \
-    case 2: pv_tile(v_cache, table, block_size, row, kh, tb, ctx, D, p, stride, d0, o, of, os, pf, NR, 2); break; \
-    default: pv_tile(v_cache, table, block_size, row, kh, tb, ctx, D, p, stride, d0, o, of, os, pf, NR, 1); break; \
-    }
+#define PV_CASE(NR)                                                                                       \
+    if (nc == 2) pv_part(v + d0, slots, row, n, p, stride, m, o, of, os, pf, NR, 2);                       \
+    else pv_part(v + d0, slots, row, n, p, stride, m, o, of, os, pf, NR, 1);
 
-/* the g heads' P.V over tokens tb <= t < ctx: into out (bf16 rows of os), or where outf is not
- * NULL into its fp32 rows of os floats */
-static void pv_dp(const bf16_t *v_cache, const int64_t *table, int64_t block_size, int64_t row, int64_t kh,
-                  int64_t tb, int64_t ctx, int64_t g, int64_t D, const float *scores, int64_t stride, bf16_t *out,
-                  float *outf, int64_t os, prefetcher *pf) {
+/* the g heads' P.V of one KV head (values at v + slots[u] * row), probabilities p unnormalized with
+ * their sums in ml: into out (bf16 rows of os), or where outf is not NULL into its fp32 rows */
+static void pv_dp(const bf16_t *v, const int64_t *slots, int64_t row, int64_t n, int64_t g, int64_t D,
+                  const float *scores, int64_t stride, const float *ml, bf16_t *out, float *outf, int64_t os,
+                  prefetcher *pf) {
     for (int64_t r0 = 0; r0 < g; r0 += 4) {
         const int64_t nr = g - r0 < 4 ? g - r0 : 4;
-        const float *p = scores + r0 * stride;
-        bf16_t *o = outf ? NULL : out + r0 * os;
-        float *of = outf ? outf + r0 * os : NULL;
+        const float *p = scores + r0 * stride, *m = ml + 2 * r0;
         for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            const int64_t nd = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
-            if (nr == 4) PV_CASE(4) else if (nr == 3) PV_CASE(3) else if (nr == 2) PV_CASE(2) else PV_CASE(1)
+            const int64_t nc = D - d0 < 64 ? 1 : 2;
+            bf16_t *o = outf ? NULL : out + r0 * os + d0;
+            float *of = outf ? outf + r0 * os + d0 : NULL;
+            if (nr == 4) { PV_CASE(4) } else if (nr == 3) { PV_CASE(3) } else if (nr == 2) { PV_CASE(2) } else { PV_CASE(1) }
+        }
+    }
+}
+
+/* a thread's scratch for decode items of up to `stride` tokens (a multiple of 16): scores (g rows),
+ * ml (2g floats, rounded up to 16), slots (stride int64), one 64-byte aligned block */
+static float *decode_scratch(int64_t g, int64_t stride) {
+    return aligned_alloc(64, sizeof(float) * (size_t)(g * stride + (2 * g + 15) / 16 * 16 + 2 * stride));
+}
+
+/* Decode item: query row q (its heads from KV head kh0's first), KV heads kh0 .. kh1-1, tokens
+ * tb .. te-1 of table's context: into out (bf16, the heads' D elements in a row), or where outf is
+ * not NULL into fp32 rows of pw floats, each with the head's softmax max and sum after its D
+ * (for a merge of parts). Scratch: scores (g rows of stride), ml (2g), slots (te - tb). */
+static void decode_item(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache, const int64_t *table,
+                        int64_t block_size, int64_t row, int64_t kh0, int64_t kh1, int64_t tb, int64_t te, int64_t g,
+                        int64_t D, float scale, float *scores, int64_t stride, float *ml, int64_t *slots,
+                        bf16_t *out, float *outf, int64_t pw, prefetcher *pf) {
+    const int64_t n = te - tb;
+    item_slots(table, block_size, tb, n, slots);
+    for (int64_t kh = kh0; kh < kh1; kh++) {
+        const int64_t h0 = (kh - kh0) * g;
+        qk_dp(q + h0 * D, k_cache + kh * D, slots, row, n, g, D, scale, scores, stride, pf);
+        softmax_dp(scores, g, stride, n, ml);
+        if (outf) {
+            pv_dp(v_cache + kh * D, slots, row, n, g, D, scores, stride, ml, NULL, outf + h0 * pw, pw, pf);
+            for (int64_t r = 0; r < g; r++) outf[(h0 + r) * pw + D] = ml[2 * r], outf[(h0 + r) * pw + D + 1] = ml[2 * r + 1];
+        } else {
+            pv_dp(v_cache + kh * D, slots, row, n, g, D, scores, stride, ml, out + h0 * D, NULL, D, pf);
         }
     }
 }
@@ -309,12 +429,12 @@ static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
-        /* aligned_alloc takes a multiple of the alignment: len_max is one of 16 floats, the sums are rounded up */
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(g * len_max + (2 * g + 15) / 16 * 16));
+        float *scores = decode_scratch(g, len_max);
         if (!scores) {
             _Pragma("omp atomic write") failed = 1;
         } else {
             float *ml = scores + g * len_max;
+            int64_t *slots = (int64_t *)(ml + (2 * g + 15) / 16 * 16);
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
             for (int64_t it = tid; it < items; it += nt) {
                 const int64_t b = singles[it / chunks];
@@ -330,15 +450,9 @@ static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int
                     for (int64_t h = 0; h < H; h++) pb[h * pw + D] = -INFINITY, pb[h * pw + D + 1] = 0.f;
                     continue;
                 }
-                const int64_t *table = tables + rows_req[b] * bt_stride;
-                for (int64_t kh = 0; kh < Hk; kh++) {
-                    const bf16_t *q = query + rows_q[b] * q_stride + kh * g * D;
-                    qk_dp(q, k_cache, table, block_size, row, kh, tb, te, g, D, scale, scores, len_max, &pf);
-                    softmax_rows(scores, g, len_max, te - tb, ml);
-                    float *ph = pb + kh * g * pw;
-                    for (int64_t r = 0; r < g; r++) ph[r * pw + D] = ml[2 * r], ph[r * pw + D + 1] = ml[2 * r + 1];
-                    pv_dp(v_cache, table, block_size, row, kh, tb, te, g, D, scores, len_max, NULL, ph, pw, &pf);
-                }
+                decode_item(query + rows_q[b] * q_stride, k_cache, v_cache, tables + rows_req[b] * bt_stride,
+                            block_size, row, 0, Hk, tb, te, g, D, scale, scores, len_max, ml, slots, NULL, pb, pw,
+                            &pf);
             }
         }
         free(scores);
@@ -398,28 +512,25 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(g * stride));
+        float *scores = decode_scratch(g, stride);
         if (!scores) {
             _Pragma("omp atomic write") failed = 1;
         } else {
+            float *ml = scores + g * stride;
+            int64_t *slots = (int64_t *)(ml + (2 * g + 15) / 16 * 16);
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
             for (int64_t it = tid; it < items; it += nt) {
                 const int64_t b = singles[it / per_req], kh0 = (it % per_req) * hpi;
                 const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, ctx = ctx_lens[b];
-                const int64_t *table = tables + rows_req[b] * bt_stride;
                 /* the next item's K/V, spread over this item's calls: QK per tile and head, PV per 4 tokens */
                 prefetcher pf = next_item(it + nt < items ? singles[(it + nt) / per_req] : -1, (it + nt) % per_req,
                                           hpi, Hk, D, sizeof(bf16_t), rows_req, tables, bt_stride, ctx_lens,
                                           block_size, k_cache, v_cache,
                                           (kh1 - kh0) * (((ctx + 15) / 16) * g
                                                          + ((g + 3) / 4) * ((D + 63) / 64) * ((ctx + 3) / 4)));
-                for (int64_t kh = kh0; kh < kh1; kh++) {
-                    const bf16_t *q = query + rows_q[b] * q_stride + kh * g * D;
-                    qk_dp(q, k_cache, table, block_size, row, kh, 0, ctx, g, D, scale, scores, stride, &pf);
-                    softmax_rows(scores, g, stride, ctx, NULL);
-                    pv_dp(v_cache, table, block_size, row, kh, 0, ctx, g, D, scores, stride,
-                          out + rows_q[b] * out_stride + kh * g * D, NULL, D, &pf);
-                }
+                decode_item(query + rows_q[b] * q_stride + kh0 * g * D, k_cache, v_cache,
+                            tables + rows_req[b] * bt_stride, block_size, row, kh0, kh1, 0, ctx, g, D, scale, scores,
+                            stride, ml, slots, out + rows_q[b] * out_stride + kh0 * g * D, NULL, 0, &pf);
             }
         }
         free(scores);
