@@ -244,6 +244,38 @@ def test_decode_steps_replay_to_the_eager_answer(engines, model_dir, expected_pl
         assert paired._graphs[2].checked and paired._replay
 
 
+
+@pytest.mark.parametrize("how", ["fails", "differs"])
+def test_a_replay_that_fails_or_differs_turns_replay_off(monkeypatch, engines, model_dir, expected_platform, how):
+    """A graph's replay that fails (a kernel's error code) or whose first replay differs from the
+    eager step answers with the eager step and turns replay off for every batch size: the
+    answers stay the eager ones, no graph is kept and none is captured again."""
+    from loom.worker.cpu_step_replay import StepGraph, StepReplayError
+
+    def fails(self, *args, **kwargs):
+        raise StepReplayError("paged_decode failed in a replayed decode step")
+
+    def differs(self, model, input_ids, positions, md):
+        eager, _ = original_check(self, model, input_ids, positions, md)
+        return eager, False
+
+    original_check = StepGraph.check
+    if how == "fails":
+        monkeypatch.setattr(StepGraph, "replay", fails)
+    else:
+        monkeypatch.setattr(StepGraph, "check", differs)
+    replay = engines(model_dir, enable_prefix_caching=False, max_num_seqs=9 if how == "fails" else 10)  # fresh
+    eager = engines(model_dir, enable_prefix_caching=False, enforce_eager=True)
+    prompts = random_ids(52, 5, 30, 16)
+    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 40, 25)]
+    for _ in range(2):  # the second run: nothing is captured again
+        assert tokens(run(replay, prompts, lengths)) == tokens(run(eager, prompts, lengths))
+        runner = replay.llm_engine.executor.worker.model_runner
+        if expected_platform == "cpu":
+            assert not runner._replay and not runner._graphs
+        else:  # the dummy platform's worker runs the contract's runner: every step eager
+            assert not hasattr(runner, "_graphs")
+
 @pytest.mark.parametrize(("graphs", "memory", "kept"), [(2, 256 << 20, {2, 1}), (4, 0, set())])
 def test_replay_keeps_few_graphs(monkeypatch, engines, model_dir, expected_platform, graphs, memory, kept):
     """At most ``REPLAY_GRAPHS`` captured steps within ``REPLAY_MEMORY`` are kept, the least
