@@ -14,6 +14,8 @@ the ceiling of any served figure this script measures on a machine it shares wit
 ``--curl`` also sends the same load through one ``curl`` process per request (all at once) to a
 server launched afresh and warmed up the same way: a client whose per-chunk cost is C's, so the
 figure shows what the server delivers when the client takes little of the machine's CPU.
+On a server it launched, the script also prints the CPU seconds each process of the serve and
+the client (this process) used during the load, beside the CPU time the machine had.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _serve import free_port, pct, start, stop, wait_healthy  # noqa: E402
+from _serve import free_port, pct, start, stop, tree_cpu_seconds, wait_healthy  # noqa: E402
 from offline_throughput import SHAPES, VOCAB, build_random_model, run_loom, workload  # noqa: E402
 
 
@@ -174,7 +176,13 @@ def main() -> None:
                 asyncio.run(run_load(url, served, prompts[:2], 2, float("inf"), args.seed))  # warm-up
                 if load == "curl":
                     return curl_load(url, served, prompts, args.output_len, root)
-                return asyncio.run(run_load(url, served, prompts, args.output_len, args.request_rate, args.seed))
+                before, client = tree_cpu_seconds(proc.pid) if proc else {}, time.process_time()
+                r = asyncio.run(run_load(url, served, prompts, args.output_len, args.request_rate, args.seed))
+                if proc is not None:
+                    after = tree_cpu_seconds(proc.pid)
+                    r["cpu"] = {"client": time.process_time() - client,
+                                **{k: v - before.get(k, 0.0) for k, v in after.items()}}
+                return r
             finally:
                 if proc is not None:
                     stop(proc)
@@ -187,6 +195,10 @@ def main() -> None:
         print(f"TTFT p50 {r['ttft_p50'] * 1e3:.0f} ms, p99 {r['ttft_p99'] * 1e3:.0f} ms; "
               f"TPOT p50 {r['tpot_p50'] * 1e3:.1f} ms, p99 {r['tpot_p99'] * 1e3:.1f} ms; "
               f"e2e p50 {r['e2e_p50']:.2f} s, p99 {r['e2e_p99']:.2f} s")
+        if "cpu" in r:
+            cores = len(os.sched_getaffinity(0))
+            print(f"CPU seconds during the load ({cores} cores x {r['elapsed']:.1f} s = "
+                  f"{cores * r['elapsed']:.1f} s): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu"].items()))
         if curl is not None:
             print(f"curl: {curl['tok_s']:,.0f} output tok/s in {curl['elapsed']:.1f} s ({curl['tokens']} tokens, "
                   f"one curl process per request)")

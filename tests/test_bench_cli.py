@@ -9,8 +9,10 @@ speed: figures are checked against each other (tokens over time), never against 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +188,28 @@ def test_the_console_script_speaks_in_one_line() -> None:
     assert out.stderr.strip().splitlines() == [
         "loom: error: model path '/no/such/model' does not exist; loom loads models from local paths: a directory "
         "with config.json and *.safetensors, or a .gguf file"]
+
+
+def test_tree_cpu_seconds_names_each_process_by_its_role():
+    """The serve benchmark's CPU split: a descendant whose command line is a worker's is counted as
+    the worker, the root as the supervisor, and a role with no process is absent."""
+    import time
+
+    burn = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+            "time.sleep(60)")
+    spawn = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {burn!r}, 'loom.worker.proc'])\n" \
+            "time.sleep(60)"
+    root = subprocess.Popen([sys.executable, "-c", spawn])
+    try:
+        deadline = time.monotonic() + 30
+        cpu = server.tree_cpu_seconds(root.pid)
+        while cpu.get("worker", 0.0) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            cpu = server.tree_cpu_seconds(root.pid)
+        assert cpu.get("worker", 0.0) >= 0.25 and "supervisor" in cpu
+        assert "front end" not in cpu and "engine core" not in cpu
+        assert cpu["supervisor"] < cpu["worker"]
+    finally:
+        for pid, _ in server._tree(root.pid):
+            os.kill(pid, signal.SIGKILL)
+        root.wait()

@@ -71,11 +71,10 @@ def last_line(log_path: str) -> str:
     return lines[-1] if lines else "(empty log)"
 
 
-def tree_rss_bytes(root_pid: int) -> int:
-    """RSS of a process and all its descendants (from /proc)."""
+def _tree(root_pid: int) -> list[tuple[int, list[str]]]:
+    """``(pid, stat fields after the command name)`` of a process and all its descendants (/proc)."""
     children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    page = os.sysconf("SC_PAGE_SIZE")
+    stat: dict[int, list[str]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -84,15 +83,42 @@ def tree_rss_bytes(root_pid: int) -> int:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        pid, ppid = int(entry), int(fields[1])
-        children.setdefault(ppid, []).append(pid)
-        rss[pid] = int(fields[21]) * page
-    total, stack = 0, [root_pid]
+        pid = int(entry)
+        children.setdefault(int(fields[1]), []).append(pid)
+        stat[pid] = fields
+    out, stack = [], [root_pid]
     while stack:
         pid = stack.pop()
-        total += rss.get(pid, 0)
+        if pid in stat:
+            out.append((pid, stat[pid]))
         stack.extend(children.get(pid, []))
-    return total
+    return out
+
+
+def tree_rss_bytes(root_pid: int) -> int:
+    """RSS of a process and all its descendants (from /proc)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return sum(int(fields[21]) * page for _, fields in _tree(root_pid))
+
+
+ROLES = (("loom.entrypoints.frontend", "front end"), ("loom.engine.core_proc", "engine core"),
+         ("loom.worker.proc", "worker"))
+
+
+def tree_cpu_seconds(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) each process of a ``loom serve`` tree has used, by role: the
+    supervisor (the root), front end, engine core, worker (workers summed), other."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid, fields in _tree(root_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        role = "supervisor" if pid == root_pid else next((r for key, r in ROLES if key in cmdline), "other")
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def stop(proc: subprocess.Popen, timeout: float = 60) -> int:
