@@ -84,13 +84,25 @@ class LayerNorm(CustomOp):
                 self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None or self.weight.dtype == x.dtype:
-            # torch's CPU and CUDA kernels compute a bf16 or fp16 layer norm in fp32 and round once,
-            # as the conversions below do, without the three copies (half the time on the CPU)
-            return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
-        weight, bias = self.weight.float(), None if self.bias is None else self.bias.float()
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
         out = F.layer_norm(x.float(), (self.hidden_size,), weight, bias, self.eps)  # (T, hidden)
         return out.to(x.dtype)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward_as_is(x)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward_as_is(x)
+
+    def _forward_as_is(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's layer norm on ``x`` and the parameters in their own dtype: for bf16 and fp16,
+        torch's CPU and CUDA kernels compute in fp32 and round once, as ``forward_native`` does
+        without its three conversions (half the time on the CPU). ``forward_native`` (the
+        reference, and every other device's path) where a parameter's dtype is not ``x``'s."""
+        if any(p is not None and p.dtype != x.dtype for p in (self.weight, self.bias)):
+            return self.forward_native(x)
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.eps}"
