@@ -387,7 +387,6 @@ def test_recv_nowait_never_blocks_and_hands_out_what_arrived() -> None:
     conn.close()
 
 
-
 def test_send_waits_on_a_full_socket_that_an_event_loop_made_non_blocking() -> None:
     """uvloop's ``add_reader`` sets the socket non-blocking: a frame larger than the socket
     buffers still goes out whole, sent as the reader makes room, never half a frame."""
@@ -414,6 +413,7 @@ def test_send_waits_on_a_full_socket_that_an_event_loop_made_non_blocking() -> N
     assert sent == [None]
     conn.close()
     peer.close()
+
 
 def test_relay_between_four_children(child: Path, tmp_path: Path) -> None:
     serve = Serve(make_plan(child, "relay", FOUR), tmp_path / "xdg")

@@ -243,10 +243,11 @@ def test_a_stuck_engine_core_makes_adds_wait_off_the_loop_then_refuses_them():
     assert isinstance(channel.sent[3], AbortRequests) and channel.sent[4].request_id == "4"
 
 
-
-def test_a_write_that_fails_ends_the_engine_for_the_front_end():
+@pytest.mark.parametrize("first", ["start", "write"])
+def test_a_write_that_fails_ends_the_engine_for_the_front_end(first):
     """The writer thread cannot go quietly: a request queued behind it would never reach the
-    engine nor hear why. Its failure is reported as the engine's end, naming the cause."""
+    engine nor hear why. Its failure is reported as the engine's end, naming the cause, also
+    when it came before ``start`` gave the connection a client to tell."""
     import threading
 
     from loom.engine.core_client import ProcCoreConnection
@@ -273,13 +274,21 @@ def test_a_write_that_fails_ends_the_engine_for_the_front_end():
 
     channel = BrokenChannel()
     conn = ProcCoreConnection(channel)
-    conn.start(Listener())
-    conn.add_request(AddRequest(request_id="0", prompt=None, prompt_token_ids=[1], sampling_params=SamplingParams()))
+    add = AddRequest(request_id="0", prompt=None, prompt_token_ids=[1], sampling_params=SamplingParams())
+    if first == "start":
+        conn.start(Listener())
+        conn.add_request(add)
+    else:
+        conn.add_request(add)
+        conn._writer.join(10)
+        assert not conn._writer.is_alive() and not heard
+        conn.start(Listener())
     deadline = time.monotonic() + 10
     while not heard and time.monotonic() < deadline:
         time.sleep(0.01)
     channel.closed.set()
     assert heard and heard[0] == "the front end could not write to the supervisor (BrokenPipeError: [Errno 32] Broken pipe)"
+
 
 def test_the_process_connection_reads_on_the_event_loop_and_hears_the_supervisor_go():
     """Frames are handled on the loop's thread, those read ahead before ``start`` too (CONFIG

@@ -269,7 +269,9 @@ class Client:
                 try:
                     data = data[self._sock.send(data):]
                 except (BlockingIOError, InterruptedError):
-                    select.select([], [self._sock], [])
+                    writable = select.poll()  # (select.select refuses descriptors past 1023)
+                    writable.register(self._sock, select.POLLOUT)
+                    writable.poll()
 
     @overload
     def recv(self, timeout: None = None) -> Frame: ...

@@ -45,6 +45,8 @@ class ProcCoreConnection(CoreConnection):
         self._queued_adds = 0
         self._count_lock = threading.Lock()
         self._client: EngineClient | None = None  # told when a write fails (set by ``start``)
+        self._write_error: str | None = None  # a failed write's report, kept for ``start`` if it came first
+        self._report_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write, name="loom-core-writer", daemon=True)
         self._writer.start()
 
@@ -66,11 +68,11 @@ class ProcCoreConnection(CoreConnection):
             try:
                 self.channel.send("engine_core", msg)
             except OSError as e:  # the supervisor is gone (the reader hears it too; the first report wins)
-                if self._client is not None:
-                    self._client.on_engine_dead(f"the front end could not write to the supervisor "
-                                                f"({type(e).__name__}: {e})")
-                else:
-                    logger.error("The front end could not write to the supervisor: %s", e)
+                with self._report_lock:
+                    self._write_error = f"the front end could not write to the supervisor ({type(e).__name__}: {e})"
+                    client = self._client
+                if client is not None:
+                    client.on_engine_dead(self._write_error)
                 return
             except Exception:  # a message that does not encode: a bug; its request never gets an answer
                 logger.exception("The front end could not send a %s", type(msg).__name__)
@@ -86,7 +88,10 @@ class ProcCoreConnection(CoreConnection):
         """Read on the running event loop, the ``on_*`` reports running there too; called
         without a running loop (or with a supervisor client that cannot read without blocking),
         on a reader thread of its own (``_run``)."""
-        self._client = client
+        with self._report_lock:
+            self._client, failed = client, self._write_error
+        if failed is not None:  # the writer ended before there was a client to tell
+            client.on_engine_dead(failed)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
