@@ -226,7 +226,11 @@ def _portable_bf16(kernel) -> native.PagedDecode:
     return other
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (8, 2, 128), (4, 4, 32), (12, 1, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [
+    (9, 3, 64), (8, 2, 128), (4, 4, 32), (12, 1, 64),
+    # Q.K compiled per head size / 32, and P.V's last 32 columns alone (96, 160) or with two heads
+    (4, 2, 96), (2, 1, 256), (6, 3, 160), (6, 6, 224),
+])
 def test_bf16_fast_kernel_against_portable_and_torch(kernel, heads, kv_heads, head_size):
     """On a CPU with AVX512-BF16 the bf16 entry takes its own kernel (head sizes a multiple of 32);
     it and the portable kernel both match torch, over many requests (each thread asks for its next
@@ -261,7 +265,8 @@ def _chunks(kernel, B, heads, kv_heads, head_size, max_ctx, threads) -> int:
 
 
 @pytest.mark.parametrize("which", ["bf16", "portable bf16", "float32", "float16"])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (12, 1, 64), (8, 2, 128), (6, 2, 80)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (12, 1, 64), (8, 2, 128), (6, 2, 80),
+                                                         (4, 2, 96), (6, 3, 160)])
 def test_few_long_rows_split_their_context_across_threads(kernel, which, heads, kv_heads, head_size):
     """One or two chat streams with long contexts have fewer (row, KV head) items than two threads
     share evenly, so each kernel (the AVX512-BF16 one, and the portable one of every dtype) cuts
@@ -392,3 +397,18 @@ def test_bf16_prefill_rows_against_torch(kernel, heads, kv_heads, head_size):
     untouched = torch.ones(B + 5, dtype=torch.bool)
     untouched[rows_q] = False
     assert (out[untouched] == 7.0).all()
+
+
+def test_a_row_without_context_gets_zeros(kernel):
+    """No decode row comes without context; one that did gets zeros from every kernel (not what
+    was in their scratch memory), beside a row that has one."""
+    tables = torch.arange(4).view(2, 2)
+    k_cache, v_cache = (torch.randn(64, 3, 64).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(2, 9 * 64).to(torch.bfloat16)
+    rows, ctx = torch.arange(2), torch.tensor([0, 20])
+    want = _reference(query, rows[1:], rows[1:], k_cache, v_cache, tables, ctx[1:], 9, 16, 0.125)
+    for k in (kernel, _portable_bf16(kernel)):
+        out = torch.full((2, 9 * 64), float("nan"), dtype=torch.bfloat16)
+        k(query, rows, rows, k_cache, v_cache, tables, ctx, out, num_heads=9, block_size=16, scale=0.125)
+        assert torch.equal(out[0], torch.zeros(9 * 64, dtype=torch.bfloat16))
+        torch.testing.assert_close(out[1:].double(), want, atol=1.6e-2, rtol=1.6e-2)

@@ -248,6 +248,17 @@ static void decode_item(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_
                         int64_t D, float scale, float *scores, int64_t stride, float *ml, int64_t *slots,
                         bf16_t *out, float *outf, int64_t pw, prefetcher *pf) {
     const int64_t n = te - tb;
+    if (n <= 0) { /* no context (no decode row has none): zeros, as the portable kernel gives */
+        for (int64_t h = 0; h < (kh1 - kh0) * g; h++) {
+            if (outf) {
+                memset(outf + h * pw, 0, sizeof(float) * (size_t)D);
+                outf[h * pw + D] = -INFINITY, outf[h * pw + D + 1] = 0.f;
+            } else {
+                memset(out + h * D, 0, sizeof(bf16_t) * (size_t)D);
+            }
+        }
+        return;
+    }
     item_slots(table, block_size, tb, n, slots);
     for (int64_t kh = kh0; kh < kh1; kh++) {
         const int64_t h0 = (kh - kh0) * g;
