@@ -244,7 +244,6 @@ def test_decode_steps_replay_to_the_eager_answer(engines, model_dir, expected_pl
         assert paired._graphs[2].checked and paired._replay
 
 
-
 @pytest.mark.parametrize("how", ["fails", "differs"])
 def test_a_replay_that_fails_or_differs_turns_replay_off(monkeypatch, engines, model_dir, expected_platform, how):
     """A graph's replay that fails (a kernel's error code) or whose first replay differs from the
@@ -252,10 +251,14 @@ def test_a_replay_that_fails_or_differs_turns_replay_off(monkeypatch, engines, m
     answers stay the eager ones, no graph is kept and none is captured again."""
     from loom.worker.cpu_step_replay import StepGraph, StepReplayError
 
+    taken: list[str] = []
+
     def fails(self, *args, **kwargs):
+        taken.append("replay")
         raise StepReplayError("paged_decode failed in a replayed decode step")
 
     def differs(self, model, input_ids, positions, md):
+        taken.append("check")
         eager, _ = original_check(self, model, input_ids, positions, md)
         return eager, False
 
@@ -271,10 +274,12 @@ def test_a_replay_that_fails_or_differs_turns_replay_off(monkeypatch, engines, m
     for _ in range(2):  # the second run: nothing is captured again
         assert tokens(run(replay, prompts, lengths)) == tokens(run(eager, prompts, lengths))
         runner = replay.llm_engine.executor.worker.model_runner
-        if expected_platform == "cpu":
+        if expected_platform == "cpu":  # one graph's first replay failed or differed, and no other ran
+            assert taken == ["replay" if how == "fails" else "check"]
             assert not runner._replay and not runner._graphs
         else:  # the dummy platform's worker runs the contract's runner: every step eager
             assert not hasattr(runner, "_graphs")
+
 
 @pytest.mark.parametrize(("graphs", "memory", "kept"), [(2, 256 << 20, {2, 1}), (4, 0, set())])
 def test_replay_keeps_few_graphs(monkeypatch, engines, model_dir, expected_platform, graphs, memory, kept):

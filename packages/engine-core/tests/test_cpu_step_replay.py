@@ -110,7 +110,6 @@ def test_a_kernel_that_fails_in_the_tape_is_named(llama):
         graph.replay(ids, torch.full_like(pos, 10_000), _in_use(md))
 
 
-
 @torch.inference_mode()
 def test_a_capture_stops_where_its_buffers_pass_max_bytes(llama):
     """``nbytes`` counts the static inputs with what the step allocates; one byte more than a
@@ -134,6 +133,7 @@ def test_a_capture_stops_where_its_buffers_pass_max_bytes(llama):
         over = StepGraph.capture(llama, ids, pos, md, MAX_BLOCKS, max_bytes=limit)
         assert over.graph is None and over.too_large and "exceed" in over.why, over.why
         assert torch.equal(over.output, want)
+
 
 def test_only_calls_tape_run_can_make_are_taped():
     """``tape_run`` passes 20 integer-class arguments and one float: a call with more, with a
@@ -281,8 +281,8 @@ def test_a_replay_is_checked_against_the_eager_step():
 def test_capture_is_refused_where_a_replay_would_be_wrong(module, reason):
     """A value read into Python, a tensor built from Python data or random numbers would be
     replayed as captured: the step stays eager, and says why."""
-    graph, out, why, _ = StepGraph.capture(module(), torch.tensor([3]), torch.tensor([2]), _metadata(), 1)
-    assert graph is None
+    graph, out, why, too_large = StepGraph.capture(module(), torch.tensor([3]), torch.tensor([2]), _metadata(), 1)
+    assert graph is None and not too_large
     assert reason in why
     assert out is not None  # the capture run is the step's eager answer
 
