@@ -64,23 +64,30 @@ static inline float hsum(v8f x) {
 }
 
 /* e^x for x <= 0 (softmax arguments), Cephes' expf polynomial: x = n ln2 + r, |r| <= ln2/2,
- * e^x = 2^n e^r; below -87 the result is 0 (2^n would leave the normal range). */
+ * e^x = 2^n e^r; below -87 the result is 0 (2^n would leave the normal range). One definition
+ * for the 8 lanes here and the 16 of paged_decode_dpbf16.c (appended to this file), so both
+ * kernels compute the same softmax. */
 typedef int32_t v8i __attribute__((vector_size(32)));
-static inline v8f exp_nonpositive(v8f x) {
-    const v8i keep = x >= -87.0f;
-    x = (v8f)((v8i)x & keep);                          /* -87 and below: compute e^0, mask below */
-    const v8i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i); /* round, x <= 0 */
-    const v8f nf = __builtin_convertvector(n, v8f);
-    const v8f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v8f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const v8i scaled = (v8i)p + (n << 23);             /* times 2^n through the exponent bits */
-    return (v8f)(scaled & keep);
-}
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define DEFINE_EXP_NONPOSITIVE(NAME, VF, VI)                                                        \
+    static inline VF NAME(VF x) {                                                                 \
+        const VI keep = x >= -87.0f;                                                              \
+        x = (VF)((VI)x & keep);                   /* -87 and below: compute e^0, mask below */    \
+        const VI n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, VI); /* round, x <= 0 */ \
+        const VF nf = __builtin_convertvector(n, VF);                                             \
+        const VF r = x - nf * 0.693359375f + nf * 2.12194440e-4f;                                 \
+        VF p = r * 1.9875691500e-4f + 1.3981999507e-3f;                                           \
+        p = p * r + 8.3334519073e-3f;                                                             \
+        p = p * r + 4.1665795894e-2f;                                                             \
+        p = p * r + 1.6666665459e-1f;                                                             \
+        p = p * r + 5.0000001201e-1f;                                                             \
+        p = p * r * r + r + 1.0f;                                                                 \
+        const VI scaled = (VI)p + (n << 23);      /* times 2^n through the exponent bits */       \
+        return (VF)(scaled & keep);                                                               \
+    }
+DEFINE_EXP_NONPOSITIVE(exp_nonpositive, v8f, v8i)
+DEFINE_EXP_NONPOSITIVE(exp16_nonpositive, v16f, v16i)
 
 /* The next work item's K and V, asked for (into L2) a few lines at a time while this item
  * computes. A thread that reads a request's scattered blocks only as it reaches them computes

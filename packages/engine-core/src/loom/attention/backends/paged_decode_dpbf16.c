@@ -11,7 +11,7 @@
  *     scores of a tile of 16 tokens are reduced together (a tree of 45 shuffles and adds for
  *     16 vectors instead of a reduction per score); the scale is applied to the sums. The loop
  *     is compiled for each D / 32, so a head's K row stays in registers.
- *   - softmax in 16 lanes (the portable kernel's polynomial), left unnormalized: P.V divides
+ *   - softmax in 16 lanes (exp16_nonpositive, the portable kernel's exp), left unnormalized: P.V divides
  *     its D sums by the softmax's sum instead of dividing every probability.
  *   - P.V: the probabilities stay fp32 (decode rows; prefill rows round them, see below); V is
  *     widened without a shuffle (see pv_part) and accumulated with FMAs for up to four query
@@ -124,23 +124,6 @@ static void qk_dp(const bf16_t *q, const bf16_t *k, const int64_t *slots, int64_
     }
 }
 
-/* e^x for x <= 0, 16 lanes: exp_nonpositive of paged_decode.c (the same polynomial) */
-static inline __m512 exp16_nonpositive(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    x = _mm512_maskz_mov_ps(keep, x);
-    const __m512i n = _mm512_cvttps_epi32(_mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
-    const __m512 nf = _mm512_cvtepi32_ps(n);
-    const __m512 r = _mm512_fmadd_ps(nf, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(nf, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-    const __m512i scaled = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(n, 23));
-    return _mm512_maskz_mov_ps(keep, _mm512_castsi512_ps(scaled));
-}
-
 /* each of g rows of scores (row stride `stride`, n values): e^(s - max) in place, unnormalized;
  * ml[2r] = row r's max, ml[2r + 1] its sum of exponentials (P.V divides by it at the end) */
 static inline void softmax_dp(float *scores, int64_t g, int64_t stride, int64_t n, float *ml) {
@@ -154,11 +137,11 @@ static inline void softmax_dp(float *scores, int64_t g, int64_t stride, int64_t 
         const __m512 vm = _mm512_set1_ps(mx);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t u = 0; u < full; u += 16) {
-            const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + u), vm));
+            const __m512 e = (__m512)exp16_nonpositive((v16f)_mm512_sub_ps(_mm512_loadu_ps(s + u), vm));
             _mm512_storeu_ps(s + u, e);
             sum = _mm512_add_ps(sum, e);
         }
-        const __m512 e = _mm512_maskz_mov_ps(last, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + full), vm)));
+        const __m512 e = _mm512_maskz_mov_ps(last, (__m512)exp16_nonpositive((v16f)_mm512_sub_ps(_mm512_loadu_ps(s + full), vm)));
         _mm512_storeu_ps(s + full, e);
         ml[2 * r] = mx, ml[2 * r + 1] = _mm512_reduce_add_ps(_mm512_add_ps(sum, e));
     }
