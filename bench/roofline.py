@@ -11,7 +11,9 @@ engine, each with new prompts so that the prefix cache cannot help: one timed pe
 under ``torch.profiler``. Steps are split into prefill steps (prompt tokens scheduled;
 decodes of earlier requests ride along) and decode steps, and the profiler's self CPU time
 per step is bucketed into GEMMs, attention, norms and activations, embedding and LM head,
-sampling, other ops and Python, through scopes the script hooks onto loom's modules.
+sampling, other ops and Python, through scopes the script hooks onto loom's modules and names
+it gives the CPU platform's compiled kernels (each call of a replayed decode step's too, which
+otherwise run as one C call per run of them and would count as the engine's own time).
 
 With ``--peer-python`` (vLLM's interpreter, ``../shared/TOOLCHAIN.md``) the random-shape
 models also run through vLLM's CPU build (``peer_vllm.py``) on the same prompts and weights,
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 from loom.attention.backends import native
 from loom.layers import onednn
+from loom.worker import cpu_step_replay
 from loom_plugin_api import custom_op
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -61,7 +64,9 @@ SPLIT = {("sampling", "GEMMs"): "embedding & LM head"}
 # Ops outside any module scope (and their children), by name.
 OPS = [
     (re.compile(r"addmm|::mm$|::bmm$|::linear$|::matmul$|mkldnn|onednn"), "GEMMs"),
-    (re.compile(r"scaled_dot_product|flash_attention|index_copy|paged_decode"), "attention"),
+    (re.compile(r"q4_linear|q8_linear|qa_linear"), "GEMMs"),  # the CPU kernels of weights kept quantized
+    (re.compile(r"scaled_dot_product|flash_attention|index_copy|paged_decode|kv_write"), "attention"),
+    (re.compile(r"rotary"), "rotary embedding"),
     (re.compile(r"layer_norm|rms_norm|gelu|silu|relu"), "norms & activations"),
     (re.compile(r"::embedding"), "embedding & LM head"),
     (re.compile(r"argmax|topk|sort|softmax|multinomial|::max$"), "sampling"),
@@ -177,6 +182,17 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
 
     # Likewise the CPU platform's fused kernels behind the ops' forward_cpu (looked up per call).
     installed = dict(custom_op.kernel_registry)
+    # A replayed decode step (cpu_step_replay) makes its compiled-kernel calls in one C call per
+    # run of them, no op and no module in sight: make them one by one, each named (a µs of
+    # Python each, against kernels of tens of µs), or the whole step would count as the engine's.
+    tape_call = cpu_step_replay._Tape.__call__
+
+    def named_tape(tape: Any) -> int:
+        for i, (fn, args) in enumerate(tape._calls):
+            with record_function(f"loom::{getattr(fn, '__name__', 'kernel')}"):
+                if fn(*args):
+                    raise cpu_step_replay.StepReplayError(f"{fn} failed in a replayed decode step (call {i})")
+        return 0
 
     def named(label: str, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
         with record_function(label):
@@ -184,6 +200,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
 
     if modules:
         kernel_cls.__call__ = named_kernel
+        cpu_step_replay._Tape.__call__ = named_tape
         for name, fn in installed.items():
             custom_op.kernel_registry[name] = functools.partial(named, f"loom::{name}", fn)
     handles = []
@@ -201,6 +218,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
             h.remove()
         del core.step, executor.execute_model, runner.model.logits_processor.greedy_token_ids
         kernel_cls.__call__ = kernel_call
+        cpu_step_replay._Tape.__call__ = tape_call
         custom_op.kernel_registry.update(installed)
     return undo
 
