@@ -110,17 +110,17 @@ class _Recorder(TorchDispatchMode):
             # (before the view test: lift_fresh, a tensor of Python data, "aliases" its input)
             self.refused = self.refused or f"the step runs {func} (a value from or to Python, or random numbers)"
         elif func in _ALLOCATIONS:
-            self.made_by_step(outs)
+            self.count_buffers(outs)
         elif _is_view(func, args, outs):
             return out
         elif func._schema.is_mutable:
             self.ops.append((_again, (func, args, kwargs)))
         else:
-            self.made_by_step(outs)
+            self.count_buffers(outs)
             self.ops.append((_again_into, (func, args, kwargs, outs)))
         return out
 
-    def made_by_step(self, tensors: Sequence[torch.Tensor]) -> None:
+    def count_buffers(self, tensors: Sequence[torch.Tensor]) -> None:
         """Count ``tensors``' storages among the graph's buffers; recording stops where they pass
         ``max_bytes``."""
         for t in tensors:
@@ -288,7 +288,7 @@ class StepGraph:
         )
         ops: list = []
         recorder = _Recorder(ops, max_bytes)
-        recorder.made_by_step(list(static.values()))
+        recorder.count_buffers(list(static.values()))
         native.tape = ops
         try:
             with recorder, set_forward_context(static_md, None):
