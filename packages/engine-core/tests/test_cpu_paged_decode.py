@@ -156,8 +156,12 @@ def test_switched_off_by_environment(fresh_kernel, monkeypatch):
 
 def _mixed_step(g: torch.Generator, block_size: int = 8):
     """A step of two decodes, one prefill over a cached prefix, and one fresh prefill."""
-    q_lens, ctx_lens = [1, 5, 1, 4], [20, 13, 9, 4]
-    num_blocks, B = 32, 4
+    return _step(g, [1, 5, 1, 4], [20, 13, 9, 4], block_size)
+
+
+def _step(g: torch.Generator, q_lens: list[int], ctx_lens: list[int], block_size: int = 8):
+    """A step of requests with these query and context lengths (at most 32 tokens each)."""
+    num_blocks, B = 32, len(q_lens)
     tables = torch.randperm(num_blocks, generator=g)[: B * 4].view(B, 4)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     positions = torch.cat([torch.arange(c - q, c) for q, c in zip(q_lens, ctx_lens)])
@@ -190,6 +194,38 @@ def test_backend_same_with_and_without_the_kernel(kernel, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(out, want, atol=tol, rtol=tol)
     torch.testing.assert_close(cache, cache2)
+
+
+@pytest.mark.parametrize(("q_lens", "spans"), [([3, 3, 3], {3: (0, 9)}), ([3, 3, 1, 3], {3: None}),
+                                               ([4, 3, 4], {4: None, 3: (4, 7)})])
+def test_fresh_prefills_of_one_length_are_one_call(monkeypatch, q_lens, spans):
+    """Fresh prefill chunks of one length run as one batched causal SDPA call: on views of the
+    step's tensors where they follow one another (``span``), through gathers where a decode or a
+    chunk of another length sits between them; either way each chunk attends to itself alone."""
+    g = torch.Generator().manual_seed(5)
+    ctx_lens = [20 if q == 1 else q for q in q_lens]
+    md, num_blocks = _step(g, q_lens, ctx_lens)
+    H, Hk, D = 6, 2, 16
+    T = md.num_tokens
+    cache = torch.randn(2, num_blocks, md.block_size, Hk, D, generator=g)
+    q, k, v = (torch.randn(T, n * D, generator=g) for n in (H, Hk, Hk))
+    impl = TorchSDPAImpl(H, D, D**-0.5, Hk)
+    impl._kernel = None
+    out = impl.forward(None, q, k, v, cache, md)
+    groups = md.scratch["torch_sdpa_plan_10"].groups
+    assert {grp.length: grp.span for grp in groups} == spans
+    starts = md.query_start_loc.tolist()
+    for i, n in enumerate(q_lens):
+        if n == 1:
+            continue
+        rows = slice(starts[i], starts[i] + n)
+        qc, kc, vc = (t[rows].view(n, -1, D).transpose(0, 1) for t in (q, k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=D**-0.5,
+                                                                enable_gqa=True)
+        torch.testing.assert_close(out[rows], want.transpose(0, 1).reshape(n, H * D), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(torch_sdpa, "_one_run", lambda firsts, length: False)  # gathers for every group
+    md.scratch.clear()
+    assert torch.equal(impl.forward(None, q, k, v, cache.clone(), md), out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -59,6 +59,7 @@ class _PrefillGroup:
     """Prefill chunks of one length with no cached prefix: one batched causal SDPA call."""
     length: int
     tokens: torch.Tensor  # (n * length,) flat token indices, chunk after chunk
+    span: tuple[int, int] | None = None  # (first, end) where those are one run of the step's tokens
 
 
 @dataclass(slots=True)
@@ -95,6 +96,11 @@ def _gather_kv(
 def _context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     pos = torch.arange(length)
     return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def _one_run(firsts: list[int], length: int) -> bool:
+    """Whether chunks of ``length`` tokens starting at ``firsts`` follow one another."""
+    return all(b - a == length for a, b in zip(firsts, firsts[1:]))
 
 
 def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill: bool = False) -> _Plan:
@@ -150,7 +156,8 @@ def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill
         qpos = torch.arange(q).unsqueeze(1) + offset
         mask = torch.arange(ctx).unsqueeze(0) <= qpos
         prefills.append(_PrefillItem(starts[i], starts[i] + q, slots, mask))
-    groups = [_PrefillGroup(q, (torch.tensor(first).unsqueeze(1) + torch.arange(q)).reshape(-1))
+    groups = [_PrefillGroup(q, (torch.tensor(first).unsqueeze(1) + torch.arange(q)).reshape(-1),
+                            (first[0], first[0] + q * len(first)) if _one_run(first, q) else None)
               for q, first in by_length.items()]
     plan = _Plan(decode, prefills, groups)
     md.scratch[key] = plan
@@ -212,11 +219,20 @@ class TorchSDPAImpl(AttentionImpl):
         gqa = g > 1
         for grp in plan.groups:  # same-length chunks without a prefix: one batched causal call
             n, L = grp.tokens.shape[0] // grp.length, grp.length
-            qg = q.index_select(0, grp.tokens).view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
-            kg = key.view(T, Hk, D).index_select(0, grp.tokens).view(n, L, Hk, D).transpose(1, 2)
-            vg = value.view(T, Hk, D).index_select(0, grp.tokens).view(n, L, Hk, D).transpose(1, 2)
+            if grp.span is not None:  # one run of tokens (a prefill-only step): views, no gathers
+                a, b = grp.span
+                qg = q[a:b].view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
+                kg = key.view(T, Hk, D)[a:b].view(n, L, Hk, D).transpose(1, 2)
+                vg = value.view(T, Hk, D)[a:b].view(n, L, Hk, D).transpose(1, 2)
+            else:
+                qg = q.index_select(0, grp.tokens).view(n, L, H, D).transpose(1, 2)
+                kg = key.view(T, Hk, D).index_select(0, grp.tokens).view(n, L, Hk, D).transpose(1, 2)
+                vg = value.view(T, Hk, D).index_select(0, grp.tokens).view(n, L, Hk, D).transpose(1, 2)
             og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scale, enable_gqa=gqa)
-            out.index_copy_(0, grp.tokens, og.transpose(1, 2).reshape(n * L, H, D))
+            if grp.span is not None:
+                out[grp.span[0]:grp.span[1]].view(n, L, H, D).copy_(og.transpose(1, 2))
+            else:
+                out.index_copy_(0, grp.tokens, og.transpose(1, 2).reshape(n * L, H, D))
         for p in plan.prefills:  # chunks after a cached prefix: K/V gathered, masked with the offset
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
             kp, vp = _gather_kv(k_cache, v_cache, p.slots)  # (ctx, Hk, D)
