@@ -115,12 +115,13 @@ def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: 
 
 def step_copies(k: int, n: int, step_bytes: int, itemsize: int, at_least: int) -> int:
     """How many copies of a (n, k) weight add up to ``step_bytes``, the weights one step reads
-    (at least ``at_least``, at most 203: enough that 200 timed calls never reuse one). Cycling
+    (at least ``at_least``): made one after another and timed in that order, each is read with
+    a step's worth of weights touched since its last use, as in a step. Cycling
     through one layer's shape alone (one copy per layer) would keep a small weight in a large
     last-level cache that a real step, streaming every other weight and the K/V between two
     reads of it, does not give it (a 64 x 576 -> 576 decode GEMM of the default model: 43 us
     with its 30 copies, 110 us inside the model's step, on a Xeon with 480 MiB of L3)."""
-    return min(203, max(at_least, -(-step_bytes // (k * n * itemsize))))
+    return max(at_least, -(-step_bytes // (k * n * itemsize)))
 
 
 def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, budget: int, max_seqs: int) -> dict[str, Any]:
@@ -208,7 +209,8 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         for i, (fn, args) in enumerate(tape._calls):
             with record_function(f"loom::{getattr(fn, '__name__', 'kernel')}"):
                 if fn(*args):
-                    raise cpu_step_replay.StepReplayError(f"{fn} failed in a replayed decode step (call {i})")
+                    name = getattr(fn, "__name__", fn)
+                    raise cpu_step_replay.StepReplayError(f"{name} failed in a replayed decode step (call {i})")
         return 0
 
     def named(label: str, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:

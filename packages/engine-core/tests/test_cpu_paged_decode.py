@@ -208,7 +208,8 @@ def test_fresh_prefills_of_one_length_are_one_call(monkeypatch, q_lens, spans):
     H, Hk, D = 6, 2, 16
     T = md.num_tokens
     cache = torch.randn(2, num_blocks, md.block_size, Hk, D, generator=g)
-    q, k, v = (torch.randn(T, n * D, generator=g) for n in (H, Hk, Hk))
+    # k and v as the model hands them over: column slices of the fused qkv projection's rows
+    q, k, v = torch.randn(T, (H + 2 * Hk) * D, generator=g).split([H * D, Hk * D, Hk * D], dim=-1)
     impl = TorchSDPAImpl(H, D, D**-0.5, Hk)
     impl._kernel = None
     out = impl.forward(None, q, k, v, cache, md)

@@ -174,7 +174,8 @@ def _tape_op(fn: object, args: tuple) -> _TapeOp | None:
 
 
 class _Tape:
-    """Consecutive compiled-kernel calls of a captured step, made in one ctypes call (``tape_run``)."""
+    """Consecutive compiled-kernel calls of a captured step, made in one ctypes call (``tape_run``).
+    ``bench/roofline.py`` makes ``_calls`` one by one to name them in its profile."""
 
     def __init__(self, run: Callable[..., int], calls: list[tuple[Any, tuple]], ops: list[_TapeOp]) -> None:
         self._run = run

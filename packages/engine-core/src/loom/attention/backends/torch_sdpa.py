@@ -219,7 +219,7 @@ class TorchSDPAImpl(AttentionImpl):
         gqa = g > 1
         for grp in plan.groups:  # same-length chunks without a prefix: one batched causal call
             n, L = grp.tokens.shape[0] // grp.length, grp.length
-            if grp.span is not None:  # one run of tokens (a prefill-only step): views, no gathers
+            if grp.span is not None:  # one unbroken run of the step's tokens: views, no gathers
                 a, b = grp.span
                 qg = q[a:b].view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
                 kg = key.view(T, Hk, D)[a:b].view(n, L, Hk, D).transpose(1, 2)
