@@ -212,7 +212,8 @@ def test_fresh_prefills_of_one_length_are_one_call(monkeypatch, q_lens, spans):
     q, k, v = torch.randn(T, (H + 2 * Hk) * D, generator=g).split([H * D, Hk * D, Hk * D], dim=-1)
     impl = TorchSDPAImpl(H, D, D**-0.5, Hk)
     impl._kernel = None
-    out = impl.forward(None, q, k, v, cache, md)
+    with torch.inference_mode():  # as a model runs (the gathers' shared workspace may be an inference tensor)
+        out = impl.forward(None, q, k, v, cache, md)
     groups = md.scratch["torch_sdpa_plan_10"].groups
     assert {grp.length: grp.span for grp in groups} == spans
     starts = md.query_start_loc.tolist()
@@ -226,7 +227,23 @@ def test_fresh_prefills_of_one_length_are_one_call(monkeypatch, q_lens, spans):
         torch.testing.assert_close(out[rows], want.transpose(0, 1).reshape(n, H * D), atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(torch_sdpa, "_one_run", lambda firsts, length: False)  # gathers for every group
     md.scratch.clear()
-    assert torch.equal(impl.forward(None, q, k, v, cache.clone(), md), out)
+    with torch.inference_mode():
+        assert torch.equal(impl.forward(None, q, k, v, cache.clone(), md), out)
+
+
+def test_gathers_work_in_and_out_of_inference_mode(monkeypatch):
+    """The gathers' shared workspace, first made under inference_mode (as a model runs), still
+    serves a call outside it (a test, a tool), where writing into it would raise."""
+    monkeypatch.setattr(torch_sdpa, "_workspace", {})
+    cache = torch.randn(10, 2, 4)
+    slots = torch.tensor([[1, 3], [4, 0]])
+    with torch.inference_mode():
+        torch_sdpa._gather_kv(cache, cache, slots)
+    k, v = torch_sdpa._gather_kv(cache, cache, slots)
+    assert torch.equal(k, cache[slots]) and torch.equal(v, cache[slots])
+    with torch.inference_mode():
+        k, _ = torch_sdpa._gather_kv(cache, cache, slots[:1])
+    assert torch.equal(k, cache[slots[:1]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -83,8 +83,9 @@ def _gather_kv(
     n = slots.numel()
     key = (k_cache.dtype, hk, d)
     bufs = _workspace.get(key)
-    if bufs is None or bufs[0].shape[0] < n:
-        size = max(n, 2 * bufs[0].shape[0]) if bufs is not None else n
+    # (buffers made under inference_mode cannot be written outside it: a test, a tool)
+    if bufs is None or bufs[0].shape[0] < n or (bufs[0].is_inference() and not torch.is_inference_mode_enabled()):
+        size = max(n, 2 * bufs[0].shape[0]) if bufs is not None and bufs[0].shape[0] < n else n
         bufs = (k_cache.new_empty(size, hk, d), v_cache.new_empty(size, hk, d))
         _workspace[key] = bufs
     flat = slots.reshape(-1)
