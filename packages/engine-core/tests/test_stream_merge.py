@@ -133,6 +133,7 @@ def test_stream_interval_holds_deltas_until_enough_tokens():
         return items
 
     items = asyncio.run(run())
-    # every delta arrived alone; the interval, not a backlog, grouped them by three
-    assert [item.outputs[0].text for item in items] == ["abc", "def", "g"]
-    assert [item.finished for item in items] == [False, False, True]
+    # every delta arrived alone; the first token went out at once (time to first token), then
+    # the interval, not a backlog, grouped them by three
+    assert [item.outputs[0].text for item in items] == ["a", "bcd", "efg", ""]
+    assert [item.finished for item in items] == [False, False, False, True]

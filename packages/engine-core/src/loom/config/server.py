@@ -101,8 +101,9 @@ class ServerConfig:
     max_request_body_bytes: int = flag(8 * 2**20, type=positive_int,
                                        help="largest request body in bytes; larger ones get 413 (default 8 MiB)")
     stream_interval: int = flag(
-        1, type=positive_int, help="tokens per streamed event at least (default 1: every token); larger "
-                                   "values send fewer, larger SSE events when many streams share a small machine")
+        1, type=positive_int, help="tokens per streamed event at least, after the first token, which goes out "
+                                   "at once (default 1: every token); larger values send fewer, larger SSE "
+                                   "events when many streams share a small machine")
 
     disable_chat_ui: bool = flag(False, action="store_true",
                                  help="do not serve the chat page at / (the API is the same either way)")

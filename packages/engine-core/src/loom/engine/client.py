@@ -200,9 +200,11 @@ class EngineClient:
 
         Deltas that queued up while the reader was busy are yielded as one (``merge_deltas``),
         so a loaded front end sends fewer, larger events instead of falling further behind;
-        with ``stream_interval`` N > 1 a delta also waits until it holds N tokens (or the end).
+        with ``stream_interval`` N > 1 a delta after the first also waits until it holds N tokens
+        (or the end): the first token goes out at once, whatever N (time to first token).
         """
         finished = False
+        started = False  # the first delta was yielded
         pending: RequestOutput | BaseException | None = None
         try:
             while not finished:
@@ -212,14 +214,15 @@ class EngineClient:
                     finished = True  # the engine has already dropped the request
                     raise item
                 while not item.finished and (
-                    not queue.empty() or (self.stream_interval > 1 and _new_tokens(item) < self.stream_interval)
+                    not queue.empty()
+                    or (started and self.stream_interval > 1 and _new_tokens(item) < self.stream_interval)
                 ):
                     more = queue.get_nowait() if not queue.empty() else await queue.get()
                     if isinstance(more, BaseException):
                         pending = more
                         break
                     item = merge_deltas(item, more)
-                finished = item.finished
+                finished, started = item.finished, True
                 yield item
         finally:
             if not finished:
