@@ -340,12 +340,16 @@ def print_breakdown(llm: Any, workloads: list[list[list[int]]], output_len: int,
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": workloads[0][0][:8]}], SamplingParams(max_tokens=2))  # warm-up
     runs: list[list[list[Any]]] = [[], []]  # timed, profiled
-    for phases, prompts in zip(runs, workloads):
-        undo = instrument(llm, phases, modules=phases is runs[1])
-        with profile(activities=[ProfilerActivity.CPU]) if phases is runs[1] else contextlib.nullcontext() as prof:
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        undo()
-    llm.shutdown()
+    try:
+        for phases, prompts in zip(runs, workloads):
+            undo = instrument(llm, phases, modules=phases is runs[1])
+            try:  # the class-wide patches (kernels, tapes) must not outlive a failed run
+                with profile(activities=[ProfilerActivity.CPU]) if phases is runs[1] else contextlib.nullcontext() as prof:
+                    llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            finally:
+                undo()
+    finally:
+        llm.shutdown()
     print(f"\nBreakdown: the workload with new prompts on a fresh engine, timed per step "
           f"({sum(p[2] for p in runs[0]):.2f} s), then with other new prompts under torch.profiler ({sum(p[2] for p in runs[1]):.2f} s). Prefill steps schedule "
           "prompt tokens (decodes of earlier prompts ride along); decode steps one token per running request. "
