@@ -104,6 +104,11 @@ def _one_run(firsts: list[int], length: int) -> bool:
     return all(b - a == length for a, b in zip(firsts, firsts[1:]))
 
 
+def _group_rows(t: torch.Tensor, grp: _PrefillGroup) -> torch.Tensor:
+    """The group's rows of a step tensor: a view where they are one unbroken run, else gathered."""
+    return t[grp.span[0]:grp.span[1]] if grp.span is not None else t.index_select(0, grp.tokens)
+
+
 def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill: bool = False) -> _Plan:
     """Gather indices and masks for this step (computed once, reused by every layer); the
     decode requests' gather indices only when ``gather_decode`` (no native kernel). With
@@ -220,15 +225,9 @@ class TorchSDPAImpl(AttentionImpl):
         gqa = g > 1
         for grp in plan.groups:  # same-length chunks without a prefix: one batched causal call
             n, L = grp.tokens.shape[0] // grp.length, grp.length
-            if grp.span is not None:  # one unbroken run of the step's tokens: views, no gathers
-                a, b = grp.span
-                qg = q[a:b].view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
-                kg = key.view(T, Hk, D)[a:b].view(n, L, Hk, D).transpose(1, 2)
-                vg = value.view(T, Hk, D)[a:b].view(n, L, Hk, D).transpose(1, 2)
-            else:
-                qg = q.index_select(0, grp.tokens).view(n, L, H, D).transpose(1, 2)
-                kg = key.view(T, Hk, D).index_select(0, grp.tokens).view(n, L, Hk, D).transpose(1, 2)
-                vg = value.view(T, Hk, D).index_select(0, grp.tokens).view(n, L, Hk, D).transpose(1, 2)
+            qg = _group_rows(q, grp).view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
+            kg = _group_rows(key.view(T, Hk, D), grp).view(n, L, Hk, D).transpose(1, 2)
+            vg = _group_rows(value.view(T, Hk, D), grp).view(n, L, Hk, D).transpose(1, 2)
             og = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.scale, enable_gqa=gqa)
             if grp.span is not None:
                 out[grp.span[0]:grp.span[1]].view(n, L, H, D).copy_(og.transpose(1, 2))
