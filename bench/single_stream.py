@@ -22,7 +22,7 @@ imports (``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python``, about 5
 llama.cpp runs the same GGUF file with as many threads, in the same run. On a CPU with AMX
 that native build enables ggml's AMX matmul, which crashed (SIGSEGV in
 ``ggml_backend_amx_mul_mat``) on the machine of 2026-12-02; build it there with
-``-DGGML_NATIVE=OFF`` and the AVX-512 flags instead (the README's "On an Intel Xeon with AMX"
+``-DGGML_NATIVE=OFF`` and the AVX-512 flags instead (docs/performance.md's "On an Intel Xeon with AMX"
 paragraph lists them).
 """
 
