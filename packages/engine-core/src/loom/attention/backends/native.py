@@ -30,7 +30,7 @@ from ...platforms.cpu_features import cpu_flags
 
 logger = init_logger(__name__)
 
-_SOURCES = ("paged_decode.c", "paged_decode_dpbf16.c")  # compiled as one unit, in this order
+_SOURCES = ("paged_decode.c", "paged_decode_dpbf16.c", "paged_decode_q8.c")  # compiled as one unit, in this order
 _FLAGS = [
     "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
     # let the compiler vectorize float reductions (dot products, sums) across lanes
