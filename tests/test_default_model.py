@@ -53,3 +53,21 @@ def test_cli_generate_with_default_model(cpu_bf16, dtype):
         # In bf16 the answer depends on the platform's ops: the CPU platform says Paris, the dummy
         # platform's reference ops round differently and drift to another answer.
         assert "Paris" in proc.stdout
+
+
+def test_cli_generate_with_an_int8_kv_cache(expected_platform):
+    """``--kv-cache-dtype int8`` reaches the workers through the CLI. On the CPU platform the 8-bit
+    cache keeps the answer (and holds about twice the tokens in the same memory); a platform whose
+    attention backend keeps no 8-bit cache (the dummy platform's) refuses it at start-up, naming the flag."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "loom.entrypoints.cli.main", "generate", "What is the capital of France?",
+         "--max-tokens", "24", "--dtype", "bfloat16", "--kv-cache-dtype", "int8"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "LOOM_LOGGING_LEVEL": "INFO"},
+    )
+    if expected_platform == "cpu":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "K/V in int8" in proc.stderr, proc.stderr[-3000:]
+        assert "Paris" in proc.stdout, proc.stdout
+    else:
+        assert proc.returncode != 0, proc.stdout
+        assert "--kv-cache-dtype int8 is not supported here" in proc.stderr, proc.stderr[-3000:]

@@ -27,6 +27,7 @@ FLAGS = {
     "-tp": "tensor_parallel_size",
     "--block-size": "block_size",
     "--no-enable-prefix-caching": "enable_prefix_caching",
+    "--kv-cache-dtype": "kv_cache_dtype",
     "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--enforce-eager": "enforce_eager",

@@ -119,3 +119,14 @@ class AttentionBackend(ABC):
     def get_supported_block_sizes() -> list[int]:
         """Block sizes this backend accepts (``update_block_size_for_backend`` uses it)."""
         return [16]
+
+    @classmethod
+    def get_kv_cache_dtype(cls, dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+        """The dtype of one layer's cache tensor (of ``get_kv_cache_shape``) for a model computing
+        in ``dtype`` and the user's ``--kv-cache-dtype`` (``"auto"``: the model's dtype). The
+        default keeps the model's dtype and refuses any other choice; a backend with a quantized
+        cache returns its storage dtype and lays the scales out in its shape."""
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"the {cls.name} attention backend keeps its KV cache in the model's dtype: "
+                             f"--kv-cache-dtype {kv_cache_dtype} is not supported here (use auto)")
+        return dtype

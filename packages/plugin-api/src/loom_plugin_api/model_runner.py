@@ -10,6 +10,7 @@ Everything engine-specific comes through the worker's ``WorkerServices``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,12 +55,17 @@ class ModelRunner:
         self._fused_greedy = getattr(model, "compute_greedy_token_ids", None)
 
     # ---- KV cache ---------------------------------------------------------------------
+    def _kv_cache_dtype(self, layer: Any) -> torch.dtype:
+        return layer.attn_backend.get_kv_cache_dtype(self.config.model_config.torch_dtype,
+                                                     self.config.cache_config.kv_cache_dtype)
+
     def kv_cache_block_bytes(self) -> int:
         block_size = self.config.cache_config.block_size
-        itemsize = torch.empty(0, dtype=self.config.model_config.torch_dtype).element_size()
-        return sum(
-            2 * block_size * layer.num_kv_heads * layer.head_size * itemsize for layer in self.attn_layers
-        )
+        total = 0
+        for layer in self.attn_layers:
+            shape = layer.attn_backend.get_kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
+            total += math.prod(shape) * torch.empty(0, dtype=self._kv_cache_dtype(layer)).element_size()
+        return total
 
     def initialize_cache(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size
@@ -68,7 +74,7 @@ class ModelRunner:
                 num_blocks, block_size, layer.num_kv_heads, layer.head_size
             )
             # Unwritten slots are never read: the backend only gathers positions in context.
-            layer.kv_cache = torch.empty(shape, dtype=self.config.model_config.torch_dtype, device=self.device)
+            layer.kv_cache = torch.empty(shape, dtype=self._kv_cache_dtype(layer), device=self.device)
 
     # ---- one step -----------------------------------------------------------------------
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:

@@ -28,6 +28,7 @@ from ..config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from ..config.cache import KV_CACHE_DTYPES
 from ..config.cli import add_flags, flag, from_args
 from ..config.model import QUANT_GROUP_SIZES, QUANTIZATIONS
 from ..config.parallel import EXECUTOR_BACKENDS, RAY_PLACEMENT_STRATEGIES
@@ -70,6 +71,10 @@ class EngineArgs:
     tensor_parallel_size: int = flag(1, aliases=("-tp",), type=int)
     block_size: int | None = flag(None, type=int)
     enable_prefix_caching: bool = flag(True, flag="--no-enable-prefix-caching", action="store_false")
+    kv_cache_dtype: str = flag(
+        "auto", choices=list(KV_CACHE_DTYPES),
+        help="auto: K/V in the model's dtype; int8: 8-bit codes with a scale per token and KV head, about half "
+             "the bytes for decode attention to read, with some rounding of K/V (CPU platform)")
     kv_cache_memory_bytes: int | None = flag(None, type=int)
     gpu_memory_utilization: float = flag(
         0.9, type=float, help="share of GPU memory the model and its KV cache may use (GPU platforms)")
@@ -146,7 +151,7 @@ class EngineArgs:
         assert max_len is not None
         cache_config = CacheConfig(
             block_size=self.block_size or 16, user_block_size=self.block_size is not None,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching, kv_cache_dtype=self.kv_cache_dtype,
             kv_cache_memory_bytes=_host_kv_cache_space(device_config.device_type) or self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
         )

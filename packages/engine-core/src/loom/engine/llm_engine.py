@@ -63,8 +63,9 @@ class LLMEngine:
         self.overlap = config.scheduler_config.async_scheduling and executor.overlaps_steps
         """Whether the engine loop schedules a step while the one before runs (see :mod:`.core`)."""
         logger.info(
-            "Engine: %d KV-cache blocks of %d tokens (%d tokens), prefix caching %s, eos_token_id=%s, %s",
+            "Engine: %d KV-cache blocks of %d tokens (%d tokens, %s), prefix caching %s, eos_token_id=%s, %s",
             executor.num_blocks, cache_config.block_size, executor.num_blocks * cache_config.block_size,
+            "K/V in the model's dtype" if cache_config.kv_cache_dtype == "auto" else f"K/V in {cache_config.kv_cache_dtype}",
             "on" if cache_config.enable_prefix_caching else "off", self.eos_token_id,
             "steps overlapped (async scheduling)" if self.overlap else "one step at a time",
         )

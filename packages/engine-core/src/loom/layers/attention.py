@@ -30,11 +30,13 @@ class Attention(nn.Module):
         config = get_current_config()
         dtype = config.model_config.torch_dtype if config is not None else torch.get_default_dtype()
         block_size = config.cache_config.block_size if config is not None else None
+        kv_cache_dtype = config.cache_config.kv_cache_dtype if config is not None else "auto"
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
         self.layer_name = prefix
-        self.attn_backend = get_attn_backend(head_size, dtype, "auto", block_size, num_heads)
+        self.attn_backend = get_attn_backend(head_size, dtype, kv_cache_dtype, block_size, num_heads)
+        self.attn_backend.get_kv_cache_dtype(dtype, kv_cache_dtype)  # refuses a choice it cannot keep, now
         self.impl = self.attn_backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads)
         self.kv_cache = torch.empty(0)
 

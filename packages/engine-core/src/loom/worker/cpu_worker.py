@@ -57,7 +57,7 @@ class CpuModelRunner(ModelRunner):
         # over the whole capacity (max_model_len) every step
         self._replay = (not self.config.compilation_config.enforce_eager
                         and kernel is not None and cpu_kernels.kernels() is not None
-                        and all(isinstance(layer.impl, TorchSDPAImpl) and kernel.supports(dtype, layer.impl.head_size)
+                        and all(isinstance(layer.impl, TorchSDPAImpl) and layer.impl.decodes_in_kernel(dtype)
                                 for layer in self.attn_layers))
 
     def initialize_cache(self, num_blocks: int) -> None:

@@ -59,6 +59,7 @@ class CacheView:
     block_size: int = 16
     user_block_size: bool = False
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None

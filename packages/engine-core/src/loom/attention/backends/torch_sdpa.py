@@ -179,6 +179,43 @@ class TorchSDPAImpl(AttentionImpl):
         # Built (or found in the cache) when the model is built, not at the first request.
         self._kernel = native.paged_decode()
 
+    def _kernel_for(self, dtype: torch.dtype) -> native.PagedDecode | None:
+        """The compiled kernel where it takes this dtype and head size, else None."""
+        return self._kernel if self._kernel is not None and self._kernel.supports(dtype, self.head_size) else None
+
+    def decodes_in_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether decode rows read the cache in place (a compiled kernel) rather than through a
+        gather of their whole context: what a replayed decode step needs (``cpu_worker``)."""
+        return self._kernel_for(dtype) is not None
+
+    def _write(self, key_rows: torch.Tensor, value_rows: torch.Tensor, kv_cache: torch.Tensor,
+               md: AttentionMetadata) -> None:
+        """Store the step's (T, Hk * D) K/V rows at their slots."""
+        # One row of Hk * D per slot: index_copy_ over 3-D views takes a per-element path that
+        # is up to 20x slower for bf16 rows split out of the fused qkv output.
+        kv_rows = kv_cache.view(2, -1, key_rows.shape[1])
+        kernel = self._kernel_for(key_rows.dtype)
+        if kernel is None or not kernel.write_kv(key_rows, value_rows, md.slot_mapping, kv_rows[0], kv_rows[1]):
+            kv_rows[0].index_copy_(0, md.slot_mapping, key_rows)
+            kv_rows[1].index_copy_(0, md.slot_mapping, value_rows)
+
+    def _gather(self, kv_cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at ``slots`` (any shape S) as (*S, Hk, D) in ``dtype``."""
+        hk, d = self.num_kv_heads, self.head_size
+        return _gather_kv(kv_cache[0].view(-1, hk, d), kv_cache[1].view(-1, hk, d), slots)
+
+    def _decode(self, query: torch.Tensor, plan: _DecodePlan, kv_cache: torch.Tensor, out: torch.Tensor,
+                md: AttentionMetadata) -> None:
+        """The kernel's query rows, attended in place over the cache (``decodes_in_kernel``)."""
+        hk, d = self.num_kv_heads, self.head_size
+        self._kernel(query, plan.token_idx, plan.rows, kv_cache[0].view(-1, hk, d), kv_cache[1].view(-1, hk, d),
+                     md.block_tables, plan.ctx, out, num_heads=self.num_heads, block_size=md.block_size,
+                     scale=self.scale)
+
+    def _takes_prefill(self, dtype: torch.dtype) -> bool:
+        kernel = self._kernel_for(dtype)
+        return kernel is not None and kernel.takes_prefill(dtype, self.num_heads, self.num_kv_heads, self.head_size)
+
     def forward(
         self,
         layer: torch.nn.Module,
@@ -190,33 +227,22 @@ class TorchSDPAImpl(AttentionImpl):
     ) -> torch.Tensor:
         T = query.shape[0]
         H, Hk, D, g = self.num_heads, self.num_kv_heads, self.head_size, self.group
-        k_cache = kv_cache[0].view(-1, Hk, D)
-        v_cache = kv_cache[1].view(-1, Hk, D)
-        # One row of Hk * D per slot: index_copy_ over 3-D views takes a per-element path that
-        # is up to 20x slower for bf16 rows split out of the fused qkv output.
-        kv_rows = kv_cache.view(2, -1, Hk * D)
-        key_rows, value_rows = key.reshape(T, Hk * D), value.reshape(T, Hk * D)
-        kernel = self._kernel if self._kernel is not None and self._kernel.supports(query.dtype, D) else None
-        if kernel is None or not kernel.write_kv(key_rows, value_rows, attn_metadata.slot_mapping, kv_rows[0],
-                                                 kv_rows[1]):
-            kv_rows[0].index_copy_(0, attn_metadata.slot_mapping, key_rows)
-            kv_rows[1].index_copy_(0, attn_metadata.slot_mapping, value_rows)
-        plan = build_plan(attn_metadata, gather_decode=kernel is None,
-                          kernel_prefill=kernel is not None and kernel.takes_prefill(query.dtype, H, Hk, D))
+        self._write(key.reshape(T, Hk * D), value.reshape(T, Hk * D), kv_cache, attn_metadata)
+        in_kernel = self.decodes_in_kernel(query.dtype)
+        plan = build_plan(attn_metadata, gather_decode=not in_kernel,
+                          kernel_prefill=in_kernel and self._takes_prefill(query.dtype))
         if query.stride(-1) != 1:
             query = query.contiguous()
         q = query.view(T, H, D)
         out = torch.empty(T, H, D, dtype=query.dtype, device=query.device)
-        if plan.decode is not None and kernel is not None:
-            d = plan.decode
-            kernel(query, d.token_idx, d.rows, k_cache, v_cache, attn_metadata.block_tables, d.ctx,
-                   out.view(T, H * D), num_heads=H, block_size=attn_metadata.block_size, scale=self.scale)
+        if plan.decode is not None and in_kernel:
+            self._decode(query, plan.decode, kv_cache, out.view(T, H * D), attn_metadata)
         elif plan.decode is not None:
             d = plan.decode
             Bd = d.token_idx.shape[0]
             # Fold the query heads of a KV group into the query-length axis: (Bd, Hk, g, D).
             qd = q[d.token_idx].view(Bd, Hk, g, D)
-            kd, vd = _gather_kv(k_cache, v_cache, d.slots)  # (Bd, ctx, Hk, D)
+            kd, vd = self._gather(kv_cache, d.slots, query.dtype)  # (Bd, ctx, Hk, D)
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # (Bd, Hk, ctx, D)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
             out[d.token_idx] = od.reshape(Bd, H, D)
@@ -235,7 +261,7 @@ class TorchSDPAImpl(AttentionImpl):
                 out.index_copy_(0, grp.tokens, og.transpose(1, 2).reshape(n * L, H, D))
         for p in plan.prefills:  # chunks after a cached prefix: K/V gathered, masked with the offset
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # (1, H, q, D)
-            kp, vp = _gather_kv(k_cache, v_cache, p.slots)  # (ctx, Hk, D)
+            kp, vp = self._gather(kv_cache, p.slots, query.dtype)  # (ctx, Hk, D)
             kp, vp = kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=self.scale, enable_gqa=gqa)
             out[p.start:p.end] = op[0].transpose(0, 1)
