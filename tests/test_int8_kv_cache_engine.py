@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from loom import LLM, SamplingParams
-
 from tiny_models import gpt2_tokenizer
 
 KV_BYTES = 512 << 10

@@ -13,7 +13,6 @@ from loom.config.cache import CacheConfig
 from loom.platforms.cpu import CpuPlatform
 from loom.platforms.cpu_features import cpu_flags
 from loom_plugin_api import AttentionBackend, AttentionSelectorConfig
-
 from test_cpu_paged_decode import _mixed_step
 
 H, HK, D = 6, 2, 64
