@@ -39,8 +39,10 @@
  * Measured 2026-12-06 on 2 cores of a Xeon with AVX512-VNNI/BF16 and AMX (a CI job beside it),
  * per layer, 64 decode rows x 160 tokens of 9/3 heads of 64, 30 layers' caches called in turn (as
  * in a model's step, mostly from memory), the two alternated in one run, medians of 25 sweeps:
- * paged_decode_bf16 0.553 ms, paged_decode_q8 0.371 ms (1.49x; it reads 204 bytes a token and
- * KV head group where bf16 reads 384). The prototype measured 1.46x at 64 x 512 alike. Writing
+ * paged_decode_bf16 0.553 ms, paged_decode_q8 0.371 ms (1.49x; a token's K, and its V, is a
+ * row of 204 bytes where bf16 has 384); one thread 1.037 vs 0.672 ms (1.54x). With the CI job
+ * busy on a core the two-thread medians become ~7 ms for both (OpenMP threads waiting on a
+ * preempted one). The prototype measured 1.46x at 64 x 512 alike. Writing
  * 64 tokens' K and V a layer: kv_write_bf16 (memcpy) 6.3 us, kv_write_q8 10.9 us (ctypes call
  * included, Python wrapper not).
  *
