@@ -19,12 +19,13 @@ from ...benchmarks import offline, plots, serve, startup
 from ...benchmarks.report import check_output, machine_info, write_json
 from ...benchmarks.trace import Span
 from ...benchmarks.workloads import CONCURRENCY, STARTUP_RUNS, Workload
+from ...config.cache import KV_CACHE_DTYPES
 from ...config.model import QUANTIZATIONS
 from ...config.server import positive_int
 from ...transformers_utils.config import resolve_model_path
 
 # The engine flags a benchmark passes on (to loom.LLM, or to `loom serve` as --flag=value); unset: the default.
-ENGINE_FLAGS = ("dtype", "max_model_len", "quantization", "tensor_parallel_size", "max_num_seqs",
+ENGINE_FLAGS = ("dtype", "max_model_len", "quantization", "kv_cache_dtype", "tensor_parallel_size", "max_num_seqs",
                 "max_num_batched_tokens")
 DEFAULT = Workload()
 EPILOG = f"""workload: {DEFAULT.describe()} (loom.benchmarks.workloads)
@@ -69,6 +70,7 @@ def _mode(modes: argparse._SubParsersAction, name: str, help_text: str, doc: str
     engine.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
     engine.add_argument("--max-model-len", type=positive_int, default=None)
     engine.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS))
+    engine.add_argument("--kv-cache-dtype", default=None, choices=list(KV_CACHE_DTYPES))
     engine.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=None)
     engine.add_argument("--max-num-seqs", type=positive_int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
