@@ -60,10 +60,11 @@ def workload(num_prompts: int, input_len: int, vocab: int, seed: int) -> list[li
     return torch.randint(100, vocab - 100, (num_prompts, input_len), generator=g).tolist()
 
 
-def run_loom(model: str | None, prompts: list[list[int]], output_len: int, dtype: str) -> tuple[float, int]:
+def run_loom(model: str | None, prompts: list[list[int]], output_len: int, dtype: str,
+             kv_cache_dtype: str = "auto") -> tuple[float, int]:
     from loom import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_model_len=max(len(prompts[0]) + output_len, 512))
+    llm = LLM(model, dtype=dtype, max_model_len=max(len(prompts[0]) + output_len, 512), kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2))  # warm-up
     start = time.perf_counter()

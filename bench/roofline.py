@@ -286,9 +286,10 @@ def run_model(name: str, args: argparse.Namespace, root: str) -> tuple[float, di
     cfg = get_hf_config(*resolve_model_path(model))
     vocab = 49152 if model is None else VOCAB.get(name, 50272)
     prompts, *others = (workload(args.num_prompts, args.input_len, vocab, seed) for seed in range(3))
-    elapsed, tokens = run_loom(model, prompts, args.output_len, args.dtype)
+    elapsed, tokens = run_loom(model, prompts, args.output_len, args.dtype, args.kv_cache_dtype)
     loom_tps = tokens / elapsed
-    engine = dict(dtype=args.dtype, max_model_len=max(args.input_len + args.output_len, 512))  # as run_loom's
+    engine = dict(dtype=args.dtype, max_model_len=max(args.input_len + args.output_len, 512),
+                  kv_cache_dtype=args.kv_cache_dtype)  # as run_loom's
     sched = EngineArgs(model=model, **engine).create_engine_config().scheduler_config
     r = roofline(cfg, getattr(torch, args.dtype), args, sched.max_num_batched_tokens, sched.max_num_seqs)
     print(f"\n## {name} ({args.dtype})\n\n| linear (step) | m x k -> n | ms, the faster | GFLOP/s F.linear | "
@@ -379,6 +380,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled run and its breakdown")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                        help="loom's KV cache (the peer keeps its default); the bound does not change")
     parser.add_argument("--peer-python", default=None,
                         help="vLLM's interpreter (../shared/TOOLCHAIN.md): also run the workload there, same run")
     args = parser.parse_args()
