@@ -113,3 +113,31 @@ def _prompt_logprobs(outputs) -> torch.Tensor:
     out = outputs[0]
     ids = out.prompt_token_ids
     return torch.tensor([lp[tok].logprob for tok, lp in zip(ids[1:], out.prompt_logprobs[1:])])
+
+
+def test_int8_cache_without_its_kernel(llama_head32, expected_platform, caplog):
+    """An fp32 model: the int8 kernel takes bf16 only, so decode attention gathers and
+    dequantizes in torch, steps run eagerly, and start-up says so; the answers still track the
+    dense cache's."""
+    if expected_platform != "cpu":  # the dummy platform's backend keeps no int8 cache, in fp32 either
+        with pytest.raises(Exception, match="--kv-cache-dtype int8 is not supported"):
+            LLM(str(llama_head32), dtype="float32", max_model_len=256, kv_cache_dtype="int8")
+        return
+    with caplog.at_level("WARNING", logger="loom"):
+        int8 = LLM(str(llama_head32), dtype="float32", max_model_len=256, block_size=16, max_num_seqs=8,
+                   kv_cache_dtype="int8")
+    dense = LLM(str(llama_head32), dtype="float32", max_model_len=256, block_size=16, max_num_seqs=8)
+    try:
+        assert "no int8 decode kernel here for torch.float32" in caplog.text
+        assert not int8.llm_engine.executor.worker.model_runner._replay
+        scored = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+        prompts = _prompts(3, 20, 41)
+        for got, want in zip(int8.generate(prompts, scored), dense.generate(prompts, scored)):
+            g, w = got.outputs[0], want.outputs[0]
+            same = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), len(w.token_ids))
+            assert same >= 1  # the first token comes from the prompt's own, unrounded K/V
+            assert max(abs(g.logprobs[i][g.token_ids[i]].logprob - w.logprobs[i][w.token_ids[i]].logprob)
+                       for i in range(same)) < 0.3
+    finally:
+        int8.shutdown()
+        dense.shutdown()

@@ -103,6 +103,59 @@ def test_write_equals_quantize_rows_bit_for_bit(q8, hk, d):
         assert torch.equal(k_rows, k_want) and torch.equal(v_rows, v_want)
 
 
+def test_special_values_write_as_the_reference_writes_them(q8):
+    """A head holding a NaN or an infinity reads back as NaN (scale NaN, codes 0), as it would
+    attend in the model's dtype; a head of zeros and subnormals reads back as zeros (scale 0): in
+    the compiled write exactly as in ``quantize_rows``, whose NaN a plain max would drop and whose
+    tiny values a plain reciprocal would overflow into codes of the wrong sign."""
+    hk, d = 2, 64
+    x = torch.randn(6, hk * d).to(torch.bfloat16)
+    x[0, 0], x[1, 17], x[2, d + 6] = float("nan"), float("inf"), -float("inf")
+    x[3, :d], x[3, 5] = 1e-39, -2e-39  # subnormal in bf16 and fp32
+    x[4, :d] = 0
+    k_rows, v_rows = (torch.zeros(6, row_bytes(hk, d), dtype=torch.uint8) for _ in range(2))
+    assert q8.write(x, x, torch.arange(6), k_rows, v_rows)
+    want = quantize_rows(x, hk, d)
+    assert torch.equal(k_rows, want) and torch.equal(v_rows, want)
+    back = dequantize_rows(want, hk, d, torch.float32)  # (6, hk, d)
+    assert back[0, 0].isnan().all() and back[1, 0].isnan().all() and back[2, 1].isnan().all()
+    assert not back[0, 1].isnan().any() and not back[2, 0].isnan().any()  # the other head of the row
+    assert (back[3, 0] == 0).all() and (back[4, 0] == 0).all()
+
+
+def test_nan_in_a_query_key_or_value_comes_out_nan(q8):
+    """NaN in, NaN out, for the heads it reaches, as the reference gives (a NaN score would
+    otherwise vanish in the kernel's exp, which masks what is below its range)."""
+    hk, d, h, bs = 2, 64, 4, 4
+    g = torch.Generator().manual_seed(9)
+    tables, ctx = torch.arange(8).view(2, 4), torch.tensor([7, 5])
+    rows_q, rows_req = torch.tensor([0, 1]), torch.tensor([0, 1])
+
+    def nan_heads(query, k_rows, v_rows):
+        out = torch.zeros(2, h * d, dtype=torch.bfloat16)
+        assert q8.decode(query, rows_q, rows_req, k_rows, v_rows, tables, ctx, out, num_heads=h, num_kv_heads=hk,
+                         head_size=d, block_size=bs, scale=d**-0.5)
+        want = _reference(query, rows_q, rows_req, k_rows, v_rows, tables, ctx, h, hk, d, bs, d**-0.5)
+        got = out.float().view(2, h, d).isnan().any(-1)
+        assert torch.equal(got, want.view(2, h, d).isnan().any(-1))
+        return got.tolist()
+
+    keys, values = (torch.randn(32, hk * d, generator=g).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(2, h * d, generator=g).to(torch.bfloat16)
+    k_rows, v_rows = quantize_rows(keys, hk, d), quantize_rows(values, hk, d)
+    clean = [[False] * h] * 2
+    assert nan_heads(query, k_rows, v_rows) == clean
+    bad_q = query.clone()
+    bad_q[0, 3] = float("nan")  # query head 0 of row 0
+    assert nan_heads(bad_q, k_rows, v_rows) == [[True, False, False, False], [False] * h]
+    bad_k = keys.clone()
+    bad_k[2, 1] = float("nan")  # request 0's token 2, KV head 0: its group of query heads 0 and 1
+    assert nan_heads(query, quantize_rows(bad_k, hk, d), v_rows) == [[True, True, False, False], [False] * h]
+    bad_v = values.clone()
+    bad_v[2, d + 1] = float("inf")  # KV head 1
+    assert nan_heads(query, k_rows, quantize_rows(bad_v, hk, d)) == [[False, False, True, True], [False] * h]
+
+
 def test_write_refuses_other_dtypes_and_layouts(q8):
     key = torch.randn(2, 64).to(torch.bfloat16)
     rows = torch.zeros(8, row_bytes(1, 64), dtype=torch.uint8)

@@ -112,7 +112,9 @@ class AttentionBackend(ABC):
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's cache; the default keeps K and V in one tensor."""
+        """Shape of one layer's cache; the default keeps K and V in one tensor. Its size must grow
+        in proportion to ``num_blocks``: the reference runner counts a block's bytes from the shape
+        for one block."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod

@@ -62,8 +62,8 @@ class CacheConfigView(Protocol):
     """True when the user chose ``--block-size``: leave it alone (or reject it)."""
     enable_prefix_caching: bool
     kv_cache_dtype: str
-    """``--kv-cache-dtype``: ``"auto"`` (the model's dtype) or a quantized cache such as ``"int8"``,
-    which the attention backend's ``get_kv_cache_dtype`` accepts or refuses."""
+    """``--kv-cache-dtype``: ``"auto"`` (the model's dtype) or ``"int8"`` (the values loom accepts);
+    the platform's attention backend keeps it or refuses it (``get_kv_cache_dtype``)."""
     kv_cache_memory_bytes: int | None
     """A fixed KV-cache budget per worker; None lets the worker measure it."""
     gpu_memory_utilization: float

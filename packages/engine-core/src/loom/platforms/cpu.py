@@ -6,13 +6,14 @@ from typing import Any, ClassVar
 
 from loom_plugin_api import HostPlatform, PlatformEnum
 
-from ..config.cache import KV_CACHE_DTYPES
 from ..logger import init_logger
 
 logger = init_logger(__name__)
 
-_TORCH_ATTENTION_BACKEND = "loom.attention.backends.torch_sdpa.TorchSDPABackend"
-_TORCH_INT8_ATTENTION_BACKEND = "loom.attention.backends.torch_sdpa_int8.TorchSDPAInt8Backend"
+_ATTENTION_BACKENDS = {  # by --kv-cache-dtype
+    "auto": "loom.attention.backends.torch_sdpa.TorchSDPABackend",
+    "int8": "loom.attention.backends.torch_sdpa_int8.TorchSDPAInt8Backend",
+}
 
 
 class CpuPlatform(HostPlatform):
@@ -53,7 +54,7 @@ class CpuPlatform(HostPlatform):
         if selected_backend not in (None, "TORCH_SDPA"):
             raise ValueError(f"attention backend {selected_backend!r} is not available on CPU; use TORCH_SDPA")
         kv_cache_dtype = attn_selector_config.kv_cache_dtype
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
+        if kv_cache_dtype not in _ATTENTION_BACKENDS:
             raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not available on CPU; use one of "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
-        return _TORCH_INT8_ATTENTION_BACKEND if kv_cache_dtype == "int8" else _TORCH_ATTENTION_BACKEND
+                             f"{', '.join(_ATTENTION_BACKENDS)}")
+        return _ATTENTION_BACKENDS[kv_cache_dtype]

@@ -22,7 +22,8 @@ from the step's data) is invisible to both, so the first replay is checked again
 of the same step (:meth:`StepGraph.check`) before replays are trusted. Python values the step takes
 from the attention metadata's lists are baked in, so the captured metadata holds bounds
 there (``seq_lens_list`` and ``max_seq_len`` are the capacity), and only a backend whose
-decode path reads the lengths from tensors is captured (the CPU's ``TorchSDPABackend``).
+decode path reads the lengths from tensors is captured (the CPU's ``TorchSDPABackend`` and its
+int8 variant, where their decode rows run in a compiled kernel: ``decodes_in_kernel``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from loom_plugin_api.step import ModelInput
 
 from ..attention.backends import native
 from ..attention.backends.torch_sdpa import TorchSDPAImpl
+from ..attention.backends.torch_sdpa_int8 import TorchSDPAInt8Impl
 from ..logger import init_logger
 from ..platforms import cpu_kernels
 from .cpu_step_replay import StepGraph, StepReplayError
@@ -59,6 +60,13 @@ class CpuModelRunner(ModelRunner):
                         and kernel is not None and cpu_kernels.kernels() is not None
                         and all(isinstance(layer.impl, TorchSDPAImpl) and layer.impl.decodes_in_kernel(dtype)
                                 for layer in self.attn_layers))
+        slow = next((layer.impl for layer in self.attn_layers if isinstance(layer.impl, TorchSDPAInt8Impl)
+                     and not layer.impl.decodes_in_kernel(dtype)), None)
+        if slow is not None:
+            logger.warning("--kv-cache-dtype int8: no int8 decode kernel here for %s with head size %d (it takes "
+                           "bf16 models, head sizes that are multiples of 32 up to 256, on CPUs with AVX512-VNNI): "
+                           "decode attention gathers and dequantizes K/V, slower than the model's dtype would run",
+                           dtype, slow.head_size)
 
     def initialize_cache(self, num_blocks: int) -> None:
         super().initialize_cache(num_blocks)

@@ -33,17 +33,23 @@ def row_bytes(num_kv_heads: int, head_size: int) -> int:
 
 
 def quantize_rows(x: torch.Tensor, num_kv_heads: int, head_size: int) -> torch.Tensor:
-    """(T, Hk * D) rows of any float dtype -> (T, Hk * (D + 4)) uint8 cache rows."""
+    """(T, Hk * D) rows of any float dtype -> (T, Hk * (D + 4)) uint8 cache rows. A head holding a
+    NaN or an infinity gets scale NaN (it reads back as NaN, as it would attend in the model's
+    dtype); a head of zeros and subnormals (below fp32's smallest normal) gets scale 0; codes 0
+    for both."""
     t, hk, d = x.shape[0], num_kv_heads, head_size
     xf = x.reshape(t, hk, d).float()
-    amax = xf.abs().amax(-1)  # (T, Hk)
+    amax = xf.abs().amax(-1)  # (T, Hk); NaN where the head holds one
+    bad = ~torch.isfinite(amax)
+    ok = amax >= torch.finfo(torch.float32).tiny  # False for NaN too
     # 1/amax rounded to fp32, then times 127 (what torch computes for 127 / amax, written out: the
     # compiled write does the same two roundings, so both make the same codes)
-    inv = torch.where(amax > 0, amax.reciprocal() * QMAX, torch.zeros_like(amax))
-    codes = torch.round(xf * inv.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    inv = torch.where(ok & ~bad, amax.reciprocal() * QMAX, torch.zeros_like(amax)).unsqueeze(-1)
+    codes = torch.where(bad.unsqueeze(-1), 0.0, torch.round(xf * inv)).clamp_(-QMAX, QMAX).to(torch.int8)
+    scale = torch.where(bad, torch.nan, torch.where(ok, amax / QMAX, 0.0))
     out = torch.empty(t, hk * (d + 4), dtype=torch.uint8)
     out[:, : hk * d] = codes.view(t, hk * d).view(torch.uint8)
-    out[:, hk * d:] = (amax / QMAX).contiguous().view(torch.uint8)
+    out[:, hk * d:] = scale.contiguous().view(torch.uint8)
     return out
 
 

@@ -56,6 +56,7 @@
 #define Q8_NOT_COMPILED 3
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <float.h>
 #include <immintrin.h>
 #define LOOM_Q8 1
 #define Q8_MAX_DV 8 /* D / 32 up to 256 */
@@ -145,7 +146,16 @@ static inline void softmax_q8(float *scores, int64_t g, int64_t stride, int64_t 
     for (int64_t r = 0; r < g; r++) {
         float *s = scores + r * stride;
         __m512 m = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), last, s + full);
-        for (int64_t u = 0; u < full; u += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + u));
+        __mmask16 nan = _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
+        for (int64_t u = 0; u < full; u += 16) {
+            const __m512 x = _mm512_loadu_ps(s + u);
+            nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+            m = _mm512_max_ps(m, x);
+        }
+        if (nan) { /* a NaN score (a NaN key or query): the row's outputs are NaN, as softmax's are */
+            sums[r] = NAN;
+            continue;
+        }
         const __m512 vm = _mm512_set1_ps(_mm512_reduce_max_ps(m));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t u = 0; u < full; u += 16) {
@@ -235,12 +245,30 @@ static float *q8_scratch_alloc(int64_t g, int64_t stride, int64_t D, q8_scratch 
     return base;
 }
 
-/* query head x (D bf16) in int16: q16 = round(x * 32767 / amax); returns amax / 32767 */
-static inline float quantize_query_head(const bf16_t *x, int64_t D, int16_t *q16) {
+/* the largest magnitude of a head's D values (a NaN or an infinity gives NaN; max_ps alone would
+ * drop a NaN lane) */
+static inline float q8_head_amax(const bf16_t *x, int64_t D) {
     __m512 mx = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(q8_widen(x + d, 16)));
+    __mmask16 nan = 0;
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m512 v = q8_widen(x + d, D - d < 16 ? (int)(D - d) : 16);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    }
     const float amax = _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    return nan || !(amax <= FLT_MAX) ? NAN : amax;
+}
+
+/* query head x (D bf16) in int16: q16 = round(x * 32767 / amax); returns amax / 32767. A head with
+ * a NaN or an infinity returns NaN (its outputs come out NaN, as the reference's do); one of zeros
+ * and subnormals returns 0, codes 0. */
+static inline float quantize_query_head(const bf16_t *x, int64_t D, int16_t *q16) {
+    const float amax = q8_head_amax(x, D);
+    if (!(amax >= FLT_MIN)) {
+        memset(q16, 0, sizeof(int16_t) * (size_t)D);
+        return amax != amax ? NAN : 0.f;
+    }
+    const __m512 inv = _mm512_set1_ps(32767.f / amax);
     for (int64_t d = 0; d < D; d += 16)
         _mm256_storeu_si256((void *)(q16 + d), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(q8_widen(x + d, 16), inv))));
     return amax / 32767.f;
@@ -334,14 +362,19 @@ int paged_decode_q8(const bf16_t *query, int64_t q_stride, const int64_t *rows_q
  * `127.0 / amax` as `amax.reciprocal() * 127`; one division, 127 / amax, differs in the last bit
  * now and then, and a product at a code's .5 boundary then rounds the other way); code = x * inv
  * rounded to nearest, ties to even (vcvtps2dq under the default rounding mode, as torch.round),
- * clamped to [-127, 127]; scale = amax / 127 (a division, as torch's tensor / scalar) */
+ * clamped to [-127, 127]; scale = amax / 127 (a division, as torch's tensor / scalar). A head
+ * with a NaN or an infinity gets scale NaN (it reads back as NaN), one of zeros and subnormals
+ * scale 0; both codes 0. */
 static inline void quantize_kv_head(const bf16_t *x, int64_t D, int8_t *codes, float *scale) {
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(q8_widen(x + d, D - d < 16 ? (int)(D - d) : 16)));
-    const float amax = _mm512_reduce_max_ps(mx);
+    const float amax = q8_head_amax(x, D);
+    if (!(amax >= FLT_MIN)) {
+        memset(codes, 0, (size_t)D);
+        *scale = amax != amax ? NAN : 0.f;
+        return;
+    }
     float recip = 1.f / amax;
     __asm__("" : "+v"(recip)); /* kept apart: -fassociative-math would fold (1 / amax) * 127 into 127 / amax */
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? recip * 127.f : 0.f);
+    const __m512 inv = _mm512_set1_ps(recip * 127.f);
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
     for (int64_t d = 0; d < D; d += 16) {
         const int n = D - d < 16 ? (int)(D - d) : 16;
