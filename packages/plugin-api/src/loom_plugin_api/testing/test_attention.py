@@ -80,8 +80,11 @@ def test_backend_matches_reference(
             num_heads, num_kv_heads, HEAD_SIZE, block_size, torch_dtype(dtype), max_len=4 * block_size
         )
         shape = backend.get_kv_cache_shape(run.num_blocks, block_size, num_kv_heads, HEAD_SIZE)
+        # in the dtype the runner allocates it in (``get_kv_cache_dtype``), filled with noise that a
+        # read of an unwritten slot would show
         kv_cache = (
-            torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch_dtype(dtype)).to(device)
+            torch.randn(shape, generator=torch.Generator().manual_seed(1))
+            .to(backend.get_kv_cache_dtype(torch_dtype(dtype), "auto")).to(device)
         )
         for i, work in enumerate(_scenarios(block_size)[scenario]):
             q, k, v, md = run.step(work)
