@@ -14,6 +14,7 @@ from loom.attention.backends import kv_int8, native
 from loom.attention.backends.kv_int8 import dequantize_rows, quantize_rows, row_bytes
 from loom.platforms.cpu_features import cpu_flags
 from loom.worker import cpu_step_replay
+from test_cpu_paged_decode import _reference as paged_reference
 
 
 @pytest.fixture(scope="module")
@@ -171,17 +172,10 @@ def test_write_refuses_other_dtypes_and_layouts(q8):
 # ---- the compiled decode ----
 
 def _reference(query, rows_q, rows_req, k_rows, v_rows, tables, ctx, num_heads, hk, d, block_size, scale):
-    """Each request alone: its context's rows dequantized with ``dequantize_rows``, softmax
-    attention in float64."""
-    outs = []
-    for rq, rr, n in zip(rows_q.tolist(), rows_req.tolist(), ctx.tolist()):
-        slots = [int(tables[rr, p // block_size]) * block_size + p % block_size for p in range(n)]
-        k = dequantize_rows(k_rows[slots], hk, d, torch.float64).repeat_interleave(num_heads // hk, dim=1)
-        v = dequantize_rows(v_rows[slots], hk, d, torch.float64).repeat_interleave(num_heads // hk, dim=1)
-        q = query[rq].double().view(num_heads, d)
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
-        outs.append(torch.einsum("hn,nhd->hd", w, v).reshape(-1))
-    return torch.stack(outs)
+    """The bf16 kernel's float64 reference (each request alone) over the cache rows dequantized
+    with ``dequantize_rows``."""
+    return paged_reference(query, rows_q, rows_req, dequantize_rows(k_rows, hk, d, torch.float64),
+                           dequantize_rows(v_rows, hk, d, torch.float64), tables, ctx, num_heads, block_size, scale)
 
 
 # Measured (2026-12-06, Xeon with AVX-512): the largest error against the float64 reference is

@@ -132,14 +132,18 @@ static inline __m512i bf16_bits512(__m512 x) {
     const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);
 }
+static inline __m512 load_bf16_512(const bf16_t *p) { return widen_bf16_512(_mm256_loadu_si256((const void *)p)); }
+/* x rounded to bf16 and widened back (round_bf16 on sixteen lanes) */
+static inline __m512 round_bf16_512(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits512(x), 16)); }
+static inline void store16_bf16_512(bf16_t *p, __m512 x) {
+    _mm256_storeu_si256((void *)p, _mm512_cvtepi32_epi16(bf16_bits512(x)));
+}
 static inline int64_t silu_and_mul_wide_bf16(const bf16_t *g, const bf16_t *u, bf16_t *o, int64_t d) {
     int64_t i = 0;
     for (; i + 16 <= d; i += 16) {
-        const __m512 a = widen_bf16_512(_mm256_loadu_si256((const void *)(g + i)));
+        const __m512 a = load_bf16_512(g + i);
         const __m512 s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
-        const __m512 s16 = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits512(s), 16));
-        const __m512 y = _mm512_mul_ps(s16, widen_bf16_512(_mm256_loadu_si256((const void *)(u + i))));
-        _mm256_storeu_si256((void *)(o + i), _mm512_cvtepi32_epi16(bf16_bits512(y)));
+        store16_bf16_512(o + i, _mm512_mul_ps(round_bf16_512(s), load_bf16_512(u + i)));
     }
     return i;
 }
@@ -161,17 +165,14 @@ static inline int64_t silu_and_mul_wide_f32(const float *g, const float *u, floa
  * model's rows (64 or 1,670 x 576 with the residual, 2026-12-06). s: the row's fp32 sums. Returns
  * 0 where it cannot take the row (the portable loop does it). */
 #if defined(__AVX512F__)
-static inline void store16_bf16_512(bf16_t *p, __m512 x) {
-    _mm256_storeu_si256((void *)p, _mm512_cvtepi32_epi16(bf16_bits512(x)));
-}
 static inline int rms_norm_row_bf16(const bf16_t *x, const bf16_t *r, bf16_t *ro, const bf16_t *w, bf16_t *o,
                                     int64_t n, float eps, float *s) {
     if (n % 16) return 0;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-        __m512 v = widen_bf16_512(_mm256_loadu_si256((const void *)(x + i)));
+        __m512 v = load_bf16_512(x + i);
         if (r) {
-            v = _mm512_add_ps(v, widen_bf16_512(_mm256_loadu_si256((const void *)(r + i))));
+            v = _mm512_add_ps(v, load_bf16_512(r + i));
             store16_bf16_512(ro + i, v);
         }
         _mm512_storeu_ps(s + i, v);
@@ -179,8 +180,8 @@ static inline int rms_norm_row_bf16(const bf16_t *x, const bf16_t *r, bf16_t *ro
     }
     const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)n + eps));
     for (int64_t i = 0; i < n; i += 16) {
-        const __m512 y = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits512(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv)), 16));
-        store16_bf16_512(o + i, _mm512_mul_ps(y, widen_bf16_512(_mm256_loadu_si256((const void *)(w + i)))));
+        const __m512 y = round_bf16_512(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+        store16_bf16_512(o + i, _mm512_mul_ps(y, load_bf16_512(w + i)));
     }
     return 1;
 }

@@ -152,25 +152,9 @@ class Int8KV:
         return True
 
 
-def _reference_decode(query, rows_q, rows_req, k_rows, v_rows, tables, ctx_lens, num_heads, num_kv_heads,
-                      head_size, block_size, scale):
-    """The attention over the dequantized cache in fp32 torch ops, one row at a time (the
-    self-check's answer)."""
-    hk, d = num_kv_heads, head_size
-    out = []
-    for rq, rr, n in zip(rows_q.tolist(), rows_req.tolist(), ctx_lens.tolist()):
-        pos = torch.arange(n)
-        slots = tables[rr][pos // block_size] * block_size + pos % block_size
-        k = dequantize_rows(k_rows[slots], hk, d, torch.float32).repeat_interleave(num_heads // hk, 1).transpose(0, 1)
-        v = dequantize_rows(v_rows[slots], hk, d, torch.float32).repeat_interleave(num_heads // hk, 1).transpose(0, 1)
-        q = query[rq].float().view(num_heads, 1, d)
-        out.append((torch.softmax(q @ k.transpose(1, 2) * scale, dim=-1) @ v).reshape(-1))
-    return torch.stack(out)
-
-
 def _self_check(kernel: Int8KV) -> None:
     """A small GQA problem with scattered blocks: the write against ``quantize_rows`` (bytes),
-    the decode against ``_reference_decode``."""
+    the decode against ``native._reference`` over the dequantized cache."""
     g = torch.Generator().manual_seed(0)
     h, hk, d, bs, blocks = 4, 2, 32, 4, 12
     row = row_bytes(hk, d)
@@ -191,7 +175,9 @@ def _self_check(kernel: Int8KV) -> None:
     if not kernel.decode(query, rows_q, rows_req, k_rows, v_rows, tables, ctx, out, num_heads=h, num_kv_heads=hk,
                          head_size=d, block_size=bs, scale=d**-0.5):
         raise native.NativeKernelError("the int8 decode kernel refused a bf16 problem")
-    want = _reference_decode(query, rows_q, rows_req, k_rows, v_rows, tables, ctx, h, hk, d, bs, d**-0.5)
+    # the bf16 kernel's reference (torch ops, fp32) over the cache dequantized
+    want = native._reference(query, rows_q, rows_req, dequantize_rows(k_rows, hk, d, torch.float32),
+                             dequantize_rows(v_rows, hk, d, torch.float32), tables, ctx, h, bs, d**-0.5)
     if not torch.allclose(out[rows_q].float(), want, atol=2e-2, rtol=2e-2):
         raise native.NativeKernelError(f"the int8 decode kernel disagrees with torch "
                                        f"(max error {(out[rows_q].float() - want).abs().max():.3g})")

@@ -89,6 +89,28 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 DEFINE_EXP_NONPOSITIVE(exp_nonpositive, v8f, v8i)
 DEFINE_EXP_NONPOSITIVE(exp16_nonpositive, v16f, v16i)
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* s[j] = the sum of the 16 lanes of a[j], j = 0 .. 15: for the AVX-512 kernels appended after this
+ * file (paged_decode_dpbf16.c, paged_decode_q8.c) */
+static inline __m512 reduce16(const __m512 a[16]) {
+    __m512 c[8], d[4];
+    for (int i = 0; i < 8; i++) /* [8 partials of a[2i] | 8 of a[2i+1]] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lane k: 4 partials of token 4i + k */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    /* lane k: [2 partials of token k, 2 of token 4 + k] and [.. 8 + k, .. 12 + k] */
+    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_ps(d[2], d[3], 0x88), _mm512_shuffle_ps(d[2], d[3], 0xDD));
+    /* element 4k + m holds the sum of token 4m + k */
+    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e0, e1, 0x88), _mm512_shuffle_ps(e0, e1, 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, f);
+}
+#endif
+
 /* The next work item's K and V, asked for (into L2) a few lines at a time while this item
  * computes. A thread that reads a request's scattered blocks only as it reaches them computes
  * and waits in turn (about 14 GB/s of K/V at a decode batch of 64, with the hardware

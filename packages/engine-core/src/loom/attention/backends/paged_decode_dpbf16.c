@@ -45,24 +45,6 @@
 #define LOOM_DPBF16 1
 #define MAX_DV32 8 /* D / 32 up to 256 */
 
-/* s[j] = the sum of the 16 lanes of a[j], j = 0 .. 15 */
-static inline __m512 reduce16(const __m512 a[16]) {
-    __m512 c[8], d[4];
-    for (int i = 0; i < 8; i++) /* [8 partials of a[2i] | 8 of a[2i+1]] */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++) /* 128-bit lane k: 4 partials of token 4i + k */
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    /* lane k: [2 partials of token k, 2 of token 4 + k] and [.. 8 + k, .. 12 + k] */
-    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_ps(d[2], d[3], 0x88), _mm512_shuffle_ps(d[2], d[3], 0xDD));
-    /* element 4k + m holds the sum of token 4m + k */
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e0, e1, 0x88), _mm512_shuffle_ps(e0, e1, 0xDD));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, f);
-}
-
 static inline __m512bh load_bh(const bf16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
 static inline __m512 widen16(const bf16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));

@@ -19,7 +19,7 @@
  *     nearest; relative error <= 2^-16 of the head's largest element), K's codes are widened to
  *     int16 and multiplied with `vpdpwssd` (AVX512-VNNI) into exact int32 sums (|sum| <= D *
  *     32767 * 127 < 2^31 for D <= 256); score = sum * k_scale[t] * (q_amax / 32767 * scale) in fp32.
- *     The 16 scores of a tile of 16 tokens are reduced together (q8_reduce16).
+ *     The 16 scores of a tile of 16 tokens are reduced together (reduce16, paged_decode.c).
  *   - softmax in fp32, 16 lanes (paged_decode.c's exp16_nonpositive), left unnormalized; each
  *     probability is then multiplied by its token's V scale.
  *   - P.V: V's codes widened to fp32 and accumulated with FMAs, for up to four query heads of a
@@ -60,23 +60,6 @@
 #include <immintrin.h>
 #define LOOM_Q8 1
 #define Q8_MAX_DV 8 /* D / 32 up to 256 */
-
-/* s[j] = the sum of the 16 lanes of a[j], j = 0 .. 15 (the reduction of paged_decode_dpbf16.c,
- * which is compiled only where the CPU has AVX512-BF16) */
-static inline __m512 q8_reduce16(const __m512 a[16]) {
-    __m512 c[8], d[4];
-    for (int i = 0; i < 8; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_ps(d[2], d[3], 0x88), _mm512_shuffle_ps(d[2], d[3], 0xDD));
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(e0, e1, 0x88), _mm512_shuffle_ps(e0, e1, 0xDD));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, f);
-}
 
 /* the first n (<= 16) bf16 of p as fp32 (lanes past n: 0) */
 static inline __m512 q8_widen(const bf16_t *p, int n) {
@@ -124,7 +107,7 @@ static inline __attribute__((always_inline)) void qk_q8_part(const int16_t *q16,
                 a[j] = _mm512_cvtepi32_ps(s);
             }
             _mm512_storeu_ps(scores + r * stride + u0,
-                             _mm512_mul_ps(_mm512_mul_ps(q8_reduce16(a), ks), _mm512_set1_ps(qmul[r])));
+                             _mm512_mul_ps(_mm512_mul_ps(reduce16(a), ks), _mm512_set1_ps(qmul[r])));
         }
     }
 }
