@@ -206,9 +206,9 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
     tape_call = cpu_step_replay._Tape.__call__
 
     def named_tape(tape: Any) -> int:
-        for i, (fn, args) in enumerate(tape._calls):
+        for i, (fn, _) in enumerate(tape._calls):
             with record_function(f"loom::{getattr(fn, '__name__', 'kernel')}"):
-                if fn(*args):
+                if tape.call_one(i):
                     name = getattr(fn, "__name__", fn)
                     raise cpu_step_replay.StepReplayError(f"{name} failed in a replayed decode step (call {i})")
         return 0

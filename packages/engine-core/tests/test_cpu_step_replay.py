@@ -92,6 +92,8 @@ def test_replayed_steps_equal_eager_steps(llama, prompts):
     tapes = [fn for fn, _ in graph._runs if isinstance(fn, cpu_step_replay._Tape)]
     assert sum(t._n for t in tapes) == sum(isinstance(fn, ctypes._CFuncPtr) for fn, _ in graph._ops) > 0
     assert not any(isinstance(fn, ctypes._CFuncPtr) for fn, _ in graph._runs)
+    # the linear layers' results, which only kernels read, were not copied into captured buffers
+    assert sum(fn is cpu_step_replay._again_repointed for fn, _ in graph._runs) >= 4 * 2
 
 
 @torch.inference_mode()
@@ -212,6 +214,56 @@ def test_kernels_and_torch_ops_replay_in_order():
         ids, pos = torch.tensor([tok]), torch.tensor([p])
         assert torch.equal(graph.replay(ids, pos, md), model(ids, pos))
     assert any(isinstance(fn, cpu_step_replay._Tape) for fn, _ in graph._runs)  # RMSNorm's eps: the float
+
+
+class _LinearsIntoKernels(nn.Module):
+    """Linear layers: one whose result only the RMSNorm kernel reads (half of it, through a view
+    at an offset), one whose result the kernel and a torch op read, one that is the step's output."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed, self.a, self.b, self.c = (nn.Embedding(64, 32), nn.Linear(32, 64, bias=False),
+                                              nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False))
+        self.weight = nn.Parameter(torch.rand(32) + 0.5, requires_grad=False)
+        self.to(dtype)
+        self.kernels = cpu_kernels.kernels()
+
+    def forward(self, ids, pos):
+        x = self.embed(ids) * pos.unsqueeze(-1).to(self.weight.dtype)
+        y = self.b(self.kernels.rms_norm(self.a(x)[:, 32:], self.weight, 1e-6))
+        return self.c(self.kernels.rms_norm(y, self.weight, 1e-6) + y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@torch.inference_mode()
+def test_results_only_kernels_read_are_repointed_not_copied(dtype):
+    """A replay points the kernels that read a torch op's result at the op's new result; a
+    result a torch op or the step's output reads is copied into its captured buffer, as before.
+    Either way, replays with new inputs give the eager step's answer, and so does each taped
+    call made alone (as bench/roofline.py makes them)."""
+    torch.manual_seed(0)
+    model, md = _LinearsIntoKernels(dtype), _metadata()
+    graph, _, why, _ = StepGraph.capture(model, torch.tensor([3]), torch.tensor([2]), md, 1)
+    assert graph is not None, why
+    repointed = [args[0] for fn, args in graph._runs if fn is cpu_step_replay._again_repointed]
+    copied = [args[0] for fn, args in graph._runs if fn is cpu_step_replay._again_into]
+    assert repointed == [torch.ops.aten.linear.default]  # self.a's
+    assert copied.count(torch.ops.aten.linear.default) == 2  # self.b's (the torch add reads it), self.c's
+    assert [fn for fn, _ in graph._ops if fn is cpu_step_replay._again_repointed] == [cpu_step_replay._again_repointed]
+    for tok, p in ((17, 5), (49, 9), (3, 1)):
+        ids, pos = torch.tensor([tok]), torch.tensor([p])
+        want = model(ids, pos)
+        assert torch.equal(graph.replay(ids, pos, md), want)
+        assert not torch.equal(graph.replay(torch.tensor([tok + 1]), pos, md), want)
+    tapes = [fn for fn, _ in graph._runs if isinstance(fn, cpu_step_replay._Tape)]
+    assert len(tapes) == 2
+    graph.output.zero_()
+    for fn, args in graph._runs:  # the last step (token 4 at position 1) again, one taped call at a time
+        if isinstance(fn, cpu_step_replay._Tape):
+            assert all(fn.call_one(i) == 0 for i in range(fn._n))
+        else:
+            fn(*args)
+    assert torch.equal(graph.output, model(torch.tensor([4]), torch.tensor([1])))
 
 
 class _ReadsAValue(nn.Module):

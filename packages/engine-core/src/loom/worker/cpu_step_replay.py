@@ -28,6 +28,7 @@ int8 variant, where their decode rows run in a compiled kernel: ``decodes_in_ker
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -58,7 +59,8 @@ class StepReplayError(RuntimeError):
 
 
 def _storage(t: object) -> int | None:
-    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+    # (a oneDNN-packed weight is opaque: it has no storage, and no kernel takes a pointer into it)
+    return t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) and not t.is_mkldnn else None
 
 
 def _is_view(func: torch._ops.OpOverload, args: tuple, outs: Sequence[object]) -> bool:
@@ -79,6 +81,20 @@ def _again_into(func: torch._ops.OpOverload, args: tuple, kwargs: dict, outs: Se
     new = func(*args, **kwargs)
     for out, value in zip(outs, new if isinstance(new, (tuple, list)) else (new,)):
         out.copy_(value)
+    return 0
+
+
+def _again_repointed(func: torch._ops.OpOverload, args: tuple, kwargs: dict,
+                     uses: Sequence[Sequence[tuple[Any, int, int]]], live: list[torch.Tensor]) -> int:
+    """Run the op and point the compiled-kernel calls that read its results at the new tensors
+    (``uses``, per result: the tape op's argument array, the argument, the byte offset), instead
+    of copying the results into the captured buffers; ``live`` keeps them until the next replay."""
+    new = func(*args, **kwargs)
+    live[:] = new if isinstance(new, (tuple, list)) else (new,)
+    for value, points in zip(live, uses):
+        base = value.data_ptr()
+        for ints, i, offset in points:
+            ints[i] = base + offset
     return 0
 
 
@@ -176,7 +192,9 @@ def _tape_op(fn: object, args: tuple) -> _TapeOp | None:
 
 class _Tape:
     """Consecutive compiled-kernel calls of a captured step, made in one ctypes call (``tape_run``).
-    ``bench/roofline.py`` makes ``_calls`` one by one to name them in its profile."""
+    ``bench/roofline.py`` makes them one by one (:meth:`call_one`) to name them in its profile;
+    ``_calls`` holds each call's function and its arguments as captured (a repointed pointer,
+    see :func:`_repointed`, changes in ``_ops`` only)."""
 
     def __init__(self, run: Callable[..., int], calls: list[tuple[Any, tuple]], ops: list[_TapeOp]) -> None:
         self._run = run
@@ -191,6 +209,10 @@ class _Tape:
             fn = self._calls[self._failed.value][0]
             raise StepReplayError(f"{getattr(fn, '__name__', fn)} failed in a replayed decode step")
         return 0
+
+    def call_one(self, i: int) -> int:
+        """Make the ``i``-th call alone: its kernel's return code."""
+        return self._run(ctypes.byref(self._ops, i * ctypes.sizeof(_TapeOp)), 1, self._failed_ref)
 
 
 def _taped(ops: list[tuple[Callable[..., int], tuple]]) -> list[tuple[Callable[..., int], tuple]]:
@@ -222,6 +244,61 @@ def _taped(ops: list[tuple[Callable[..., int], tuple]]) -> list[tuple[Callable[.
     return out
 
 
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors in an op's arguments (nested in lists, tuples and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _repointed(ops: list[tuple[Callable[..., int], tuple]], runs: list[tuple[Callable[..., int], tuple]],
+               keep: list[Any], output: torch.Tensor) -> None:
+    """``runs`` with every torch op whose results only compiled kernels on a tape read (a linear
+    layer's, between RMSNorm and the attention kernels) made :func:`_again_repointed`: a replay
+    then points those kernels at the op's new results rather than copying them into the captured
+    buffers, which leave ``keep`` (and ``ops``, where the op is swapped too). A result that a torch op, a ctypes call made from Python or the
+    step's output reads is still copied. A result's storage is new in the captured step (``keep``
+    holds every buffer, so none is reused), so any tape argument inside it is a pointer into it."""
+    ints: list[tuple[int, Any, int]] = []  # (value, the tape op's argument array, index)
+    pinned = {_storage(output)}  # storages read other than through a tape
+    loose: list[int] = []  # integer arguments of ctypes calls made from Python
+    for fn, args in runs:
+        if isinstance(fn, _Tape):
+            for op in fn._ops:
+                ints += [(v, op.a, i) for i, v in enumerate(op.a)]
+        elif fn is _again or fn is _again_into:
+            pinned.update(_storage(t) for t in _tensors(args[1:3]))
+        else:
+            loose += [v for v in args if type(v) is int]
+            pinned.update(_storage(t) for t in _tensors(args))
+    ints.sort(key=lambda e: e[0])
+    values = [v for v, _, _ in ints]
+    swapped, dropped = {}, set()
+    for fn, args in runs:
+        if fn is not _again_into:
+            continue
+        func, op_args, op_kwargs, results = args
+        uses = []
+        for r in results:
+            storage = r.untyped_storage()
+            start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+            if (start in pinned or r.storage_offset() or not r.is_contiguous()
+                    or any(start <= v < end for v in loose)):
+                break
+            uses.append([(a, i, v - start) for v, a, i in ints[bisect.bisect_left(values, start):
+                                                                 bisect.bisect_left(values, end)]])
+        else:
+            swapped[id(args)] = (_again_repointed, (func, op_args, op_kwargs, uses, []))
+            dropped.update(_storage(r) for r in results)
+    runs[:] = [swapped.get(id(args), (fn, args)) for fn, args in runs]  # (_taped made new pairs of the
+    ops[:] = [swapped.get(id(args), (fn, args)) for fn, args in ops]    # same arguments)
+    keep[:] = [k for k in keep if not any(_storage(t) in dropped for t in _tensors(k))]
+
+
 class Capture(NamedTuple):
     """What :meth:`StepGraph.capture` gives."""
 
@@ -241,7 +318,9 @@ class StepGraph:
                  output: torch.Tensor, max_blocks: int, nbytes: int) -> None:
         self._ops = ops
         self._runs = _taped(ops)
-        """What a replay calls: ``ops``, each run of compiled-kernel calls in one ``tape_run``."""
+        """What a replay calls: ``ops``, each run of compiled-kernel calls in one ``tape_run``, the
+        torch ops that only those read repointing them (:func:`_repointed`)."""
+        _repointed(ops, self._runs, keep, output)
         self._keep = keep
         self._inputs = inputs
         self.output = output
