@@ -49,6 +49,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def thread_cpus(pid: int) -> list[set[int]]:
+    """The CPUs each thread of ``pid`` may run on (its ``Cpus_allowed_list``, e.g. "0-3,6")."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        spec = next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                    if line.startswith("Cpus_allowed_list"))
+        cpus: set[int] = set()
+        for part in spec.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+        found.append(cpus)
+    return found
+
+
 def get(url: str, timeout: float = 5) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

@@ -7,6 +7,7 @@ from ``LOOM_API_KEY`` alone. Neither may show the key on any child's command lin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import loom_supervisor  # noqa: F401  (a missing supervisor wheel is an error, n
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serve_utils import Serve, serving
+from serve_utils import Serve, serving, thread_cpus
 
 FLAG_KEY = "sk-flag-6f1e2d"
 ENV_KEY = "sk-env-93ab07"
@@ -91,6 +92,17 @@ def check_auth(serve: Serve, model: str, key: str) -> None:
     assert [m.id for m in right.models.list().data] == [Path(model).name]  # the served name, not the path
     r = right.completions.create(model=model, prompt="Hello", max_tokens=2, extra_body=IGNORE_EOS)
     assert r.usage.completion_tokens == 2
+
+
+def test_a_small_models_worker_is_left_unbound(flag_serve, tiny_llama) -> None:
+    """A small model's worker (mostly one Python thread) keeps every core the serve has, as the
+    front end and the engine core do (test_default_model.py has a real model's, bound)."""
+    r = httpx.post(flag_serve.url + "/v1/completions", json={"model": str(tiny_llama), "prompt": "Hello",
+                   "max_tokens": 2}, headers={"Authorization": f"Bearer {FLAG_KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text  # the worker's parallel regions ran: its OpenMP threads exist
+    cores = os.sched_getaffinity(0)
+    for name, pid in flag_serve.child_pids().items():
+        assert all(c == cores for c in thread_cpus(pid)), name
 
 
 def test_api_key_flag(flag_serve, tiny_llama) -> None:

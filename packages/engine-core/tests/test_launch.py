@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from loom.config.server import ServerConfig
+from loom.engine import launch
 from loom.engine.launch import build_plan
 from loom.ipc.messages import MESSAGES_VERSION
 from loom_supervisor import Plan
@@ -19,10 +20,11 @@ class _ModelConfig(SimpleNamespace):
         return self.hidden_size
 
 
-def config(tp: int, hidden_size: int = 128, uses_ray: bool = False) -> SimpleNamespace:
+def config(tp: int, hidden_size: int = 128, uses_ray: bool = False, device_type: str = "cpu") -> SimpleNamespace:
     """Just what the plan reads (the plan pickles it, so no lambdas)."""
     return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp, uses_ray=uses_ray),
-                           model_config=_ModelConfig(hidden_size=hidden_size))
+                           model_config=_ModelConfig(hidden_size=hidden_size),
+                           device_config=SimpleNamespace(device_type=device_type))
 
 
 def parse(argv: list[str]) -> ServerConfig:
@@ -86,6 +88,28 @@ def test_workers_of_small_models_spin_briefly_unless_the_operator_says(monkeypat
     workers = [p for p in plan.processes if p.role == "worker"]
     assert [p.env.get("GOMP_SPINCOUNT") for p in workers] == [want, want]
     assert all("GOMP_SPINCOUNT" not in p.env or operator for p in plan.processes if p.role != "worker")
+
+
+@pytest.mark.parametrize(("tp", "hidden", "device_type", "operator", "bound"), [
+    (1, 576, "cpu", {}, True),  # the default model's width
+    (1, 128, "cpu", {}, False),  # a small model's worker: mostly one Python thread
+    (2, 576, "cpu", {}, False),  # each rank would take the same first cores
+    (1, 576, "cuda", {}, False),
+    (1, 576, "cpu", {"LOOM_CPU_BIND": "0"}, False),
+    (1, 576, "cpu", {"OMP_PLACES": "{0}"}, False),  # the operator's binding stays the only one
+    (1, 576, "cpu", {"GOMP_CPU_AFFINITY": "1"}, False),
+])
+def test_a_lone_cpu_workers_threads_are_bound_to_cores(monkeypatch, tp, hidden, device_type, operator, bound) -> None:
+    for name in (*launch.OPERATOR_BINDING, "LOOM_CPU_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in operator.items():
+        monkeypatch.setenv(name, value)
+    plan = build_plan(config(tp, hidden, device_type=device_type), ServerConfig())
+    operators = {k: operator.get(k) for k in launch.OPERATOR_BINDING}
+    want = dict(operators, **launch.CPU_BINDING) if bound else operators
+    for p in plan.processes:  # the workers; the front end and the engine core float
+        assert {k: p.env.get(k) for k in launch.OPERATOR_BINDING} == (want if p.role == "worker" else operators)
+    assert sum(p.role == "worker" for p in plan.processes) == tp
 
 
 def test_tensor_parallel_workers_talk_over_loopback_only(monkeypatch) -> None:

@@ -46,13 +46,32 @@ def _free_port() -> int:
 WORKER_GOMP_SPINCOUNT = "1000"
 SHORT_SPIN_BELOW_HIDDEN = 512
 
+# A lone CPU worker of a real model has its OpenMP threads bound one to a core
+# (OMP_PROC_BIND=close, OMP_PLACES=cores: libgomp takes the cores of the process's affinity mask,
+# so taskset and cpusets still decide which). Every parallel region ends at a barrier, so a
+# thread the kernel moves onto a core another of them holds stalls them all; served, the front
+# end, the engine core and local clients come and go on those cores. The default model served
+# 64 streams at 762-805 tok/s bound against 705-756 unbound, six pairs alternated, offline
+# unchanged. A small model's worker is mostly one Python thread, which bound to a core can no
+# longer go where the front end and the client leave room: 200 streams of the 2M OPT served
+# 3,629-3,692 tok/s bound against 5,451-5,619 (bench/serve_throughput.py --compare-offline,
+# 2026-12-06, docs/decisions.md). So the binding follows the model as the spin does. Ranks of a
+# tensor-parallel serve stay unbound (each would take the same first cores), and so does a worker
+# whose operator chose a binding or set LOOM_CPU_BIND=0.
+CPU_BINDING = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+OPERATOR_BINDING = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
 
-def worker_env(env: dict[str, str], tp: int, hidden_size: int) -> dict[str, str]:
+
+def worker_env(env: dict[str, str], tp: int, hidden_size: int, device_type: str) -> dict[str, str]:
     """The workers' environment: a rendezvous address for torch.distributed, a short OpenMP
-    spin for small models, and a share of the cores each, so that ranks do not oversubscribe them."""
+    spin for small models, a lone CPU worker's threads bound to cores for the others, and a share of the cores
+    each where there are several ranks, so that they do not oversubscribe them."""
     wenv = dict(env, LOOM_DIST_INIT_METHOD=f"tcp://127.0.0.1:{_free_port()}")
     if "OMP_WAIT_POLICY" not in wenv and hidden_size < SHORT_SPIN_BELOW_HIDDEN:
         wenv.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)  # a policy the operator chose decides alone
+    if (device_type == "cpu" and tp == 1 and hidden_size >= SHORT_SPIN_BELOW_HIDDEN
+            and wenv.get("LOOM_CPU_BIND", "1") != "0" and not any(name in wenv for name in OPERATOR_BINDING)):
+        wenv.update(CPU_BINDING)
     if tp > 1:
         # every rank is on this machine: gloo's pairs listen on loopback only, not on every interface
         wenv.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -82,7 +101,7 @@ def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge
                                      argv=[python, "-m", "loom.engine.bridge"]))
     tp = config.parallel_config.tensor_parallel_size
     if not config.parallel_config.uses_ray:  # on Ray the engine core starts the ranks as actors
-        wenv = worker_env(env, tp, config.model_config.get_hidden_size())
+        wenv = worker_env(env, tp, config.model_config.get_hidden_size(), config.device_config.device_type)
         processes += [ProcessPlan(role="worker", rank=rank, env=wenv,
                                   argv=[python, "-m", "loom.worker.proc", "--rank", str(rank)])
                       for rank in range(tp)]
