@@ -49,19 +49,32 @@ def alive(pid: int) -> bool:
         return False
 
 
+def cpu_list(spec: str) -> set[int]:
+    """The CPUs of a kernel CPU list ("0-3,6")."""
+    cpus: set[int] = set()
+    for part in spec.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def thread_cpus(pid: int) -> list[set[int]]:
-    """The CPUs each thread of ``pid`` may run on (its ``Cpus_allowed_list``, e.g. "0-3,6")."""
+    """The CPUs each thread of ``pid`` may run on (its ``Cpus_allowed_list``)."""
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        status = (task / "status").read_text()
-        spec = next(line.split(":", 1)[1].strip() for line in status.splitlines()
-                    if line.startswith("Cpus_allowed_list"))
-        cpus: set[int] = set()
-        for part in spec.split(","):
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-        found.append(cpus)
+        try:
+            status = (task / "status").read_text()
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+        found.append(cpu_list(next(line.split(":", 1)[1] for line in status.splitlines()
+                                   if line.startswith("Cpus_allowed_list"))))
     return found
+
+
+def physical_cores(cpus: set[int]) -> set[frozenset[int]]:
+    """``cpus`` grouped by physical core (a core's hardware threads, as far as they are in ``cpus``)."""
+    return {frozenset(cpu_list(Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text())
+                      & cpus) for c in cpus}
 
 
 def get(url: str, timeout: float = 5) -> tuple[int, str]:

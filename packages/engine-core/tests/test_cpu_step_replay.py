@@ -266,6 +266,63 @@ def test_results_only_kernels_read_are_repointed_not_copied(dtype):
     assert torch.equal(graph.output, model(torch.tensor([4]), torch.tensor([1])))
 
 
+class _KeepsAResult(_LinearsIntoKernels):
+    """Keeps self.a's result, which only the RMSNorm kernel reads in the step, for after it (as a
+    model keeping hidden states for a drafter would), or a result that nothing reads."""
+
+    def __init__(self, read: bool) -> None:
+        super().__init__(torch.float32)
+        self.read = read
+
+    def forward(self, ids, pos):
+        x = self.embed(ids) * pos.unsqueeze(-1).to(self.weight.dtype)
+        self.kept = self.a(x)[:, 32:]
+        return self.b(self.kernels.rms_norm(self.kept if self.read else x[:, :32], self.weight, 1e-6))
+
+
+class _TwoReaders(_LinearsIntoKernels):
+    """self.a's result read by two RMSNorm calls, the second (eps 1e-5) made from Python below."""
+
+    def forward(self, ids, pos):
+        h = self.a(self.embed(ids) * pos.unsqueeze(-1).to(self.weight.dtype))[:, :32]
+        return self.b(self.kernels.rms_norm(h, self.weight, 1e-6) + self.kernels.rms_norm(h, self.weight, 1e-5))
+
+
+@pytest.mark.parametrize("read", [True, False], ids=["read-by-a-kernel", "read-by-nothing"])
+@torch.inference_mode()
+def test_a_result_the_model_keeps_is_rewritten_by_every_replay(read):
+    """A result something besides the graph holds is copied, not repointed: what the model kept
+    from the captured step shows each replay's value, as it would with the copies."""
+    torch.manual_seed(0)
+    model, md = _KeepsAResult(read), _metadata()
+    graph, _, why, _ = StepGraph.capture(model, torch.tensor([3]), torch.tensor([2]), md, 1)
+    assert graph is not None, why
+    kept = model.kept
+    assert not any(fn is cpu_step_replay._again_repointed and args[0] == torch.ops.aten.linear.default
+                   and args[1][1] is model.a.weight for fn, args in graph._runs)
+    for tok, p in ((17, 5), (49, 9)):
+        ids, pos = torch.tensor([tok]), torch.tensor([p])
+        replayed = graph.replay(ids, pos, md).clone()
+        was = kept.clone()
+        assert torch.equal(replayed, model(ids, pos)) and torch.equal(was, model.kept)
+
+
+@torch.inference_mode()
+def test_a_result_an_untaped_call_reads_is_copied(monkeypatch):
+    """A compiled-kernel call made from Python (here: left off the tape) keeps its captured
+    pointer, so what it reads is copied into place every replay."""
+    real = cpu_step_replay._tape_op
+    monkeypatch.setattr(cpu_step_replay, "_tape_op", lambda fn, args: None if 1e-5 in args else real(fn, args))
+    torch.manual_seed(0)
+    model, md = _TwoReaders(torch.float32), _metadata()
+    graph, _, why, _ = StepGraph.capture(model, torch.tensor([3]), torch.tensor([2]), md, 1)
+    assert graph is not None, why
+    assert any(isinstance(fn, ctypes._CFuncPtr) for fn, _ in graph._runs)
+    for tok, p in ((17, 5), (49, 9), (3, 1)):
+        ids, pos = torch.tensor([tok]), torch.tensor([p])
+        assert torch.equal(graph.replay(ids, pos, md), model(ids, pos))
+
+
 class _ReadsAValue(nn.Module):
     def forward(self, ids, pos):
         return torch.full((1, 4), float(ids.sum().item()))

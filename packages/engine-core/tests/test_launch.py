@@ -98,17 +98,19 @@ def test_workers_of_small_models_spin_briefly_unless_the_operator_says(monkeypat
     (1, 576, "cpu", {"LOOM_CPU_BIND": "0"}, False),
     (1, 576, "cpu", {"OMP_PLACES": "{0}"}, False),  # the operator's binding stays the only one
     (1, 576, "cpu", {"GOMP_CPU_AFFINITY": "1"}, False),
+    (1, 576, "cpu", {"OMP_NUM_THREADS": "1"}, False),  # serves sharing the machine: not all on core 0
+    (1, 576, "cpu", {"LOOM_CPU_NUM_THREADS": "1"}, False),
 ])
 def test_a_lone_cpu_workers_threads_are_bound_to_cores(monkeypatch, tp, hidden, device_type, operator, bound) -> None:
-    for name in (*launch.OPERATOR_BINDING, "LOOM_CPU_BIND"):
+    for name in (*launch.OPERATOR_CHOICE, "LOOM_CPU_BIND"):
         monkeypatch.delenv(name, raising=False)
     for name, value in operator.items():
         monkeypatch.setenv(name, value)
     plan = build_plan(config(tp, hidden, device_type=device_type), ServerConfig())
-    operators = {k: operator.get(k) for k in launch.OPERATOR_BINDING}
+    operators = {k: operator.get(k) for k in launch.OPERATOR_CHOICE[:4]}
     want = dict(operators, **launch.CPU_BINDING) if bound else operators
     for p in plan.processes:  # the workers; the front end and the engine core float
-        assert {k: p.env.get(k) for k in launch.OPERATOR_BINDING} == (want if p.role == "worker" else operators)
+        assert {k: p.env.get(k) for k in operators} == (want if p.role == "worker" else operators)
     assert sum(p.role == "worker" for p in plan.processes) == tp
 
 

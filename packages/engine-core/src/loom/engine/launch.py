@@ -57,9 +57,11 @@ SHORT_SPIN_BELOW_HIDDEN = 512
 # 3,629-3,692 tok/s bound against 5,451-5,619 (bench/serve_throughput.py --compare-offline,
 # 2026-12-06, docs/decisions.md). So the binding follows the model as the spin does. Ranks of a
 # tensor-parallel serve stay unbound (each would take the same first cores), and so does a worker
-# whose operator chose a binding or set LOOM_CPU_BIND=0.
+# whose operator chose a binding or a thread count (serves sharing a machine would be stacked
+# on the same first cores), or set LOOM_CPU_BIND=0.
 CPU_BINDING = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
-OPERATOR_BINDING = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+OPERATOR_CHOICE = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_NUM_THREADS",
+                   "LOOM_CPU_NUM_THREADS")
 
 
 def worker_env(env: dict[str, str], tp: int, hidden_size: int, device_type: str) -> dict[str, str]:
@@ -70,7 +72,7 @@ def worker_env(env: dict[str, str], tp: int, hidden_size: int, device_type: str)
     if "OMP_WAIT_POLICY" not in wenv and hidden_size < SHORT_SPIN_BELOW_HIDDEN:
         wenv.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)  # a policy the operator chose decides alone
     if (device_type == "cpu" and tp == 1 and hidden_size >= SHORT_SPIN_BELOW_HIDDEN
-            and wenv.get("LOOM_CPU_BIND", "1") != "0" and not any(name in wenv for name in OPERATOR_BINDING)):
+            and wenv.get("LOOM_CPU_BIND", "1") != "0" and not any(name in wenv for name in OPERATOR_CHOICE)):
         wenv.update(CPU_BINDING)
     if tp > 1:
         # every rank is on this machine: gloo's pairs listen on loopback only, not on every interface

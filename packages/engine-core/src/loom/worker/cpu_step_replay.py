@@ -256,15 +256,18 @@ def _tensors(value: object) -> list[torch.Tensor]:
 
 
 def _repointed(ops: list[tuple[Callable[..., int], tuple]], runs: list[tuple[Callable[..., int], tuple]],
-               keep: list[Any], output: torch.Tensor) -> None:
+               keep: list[Any], output: torch.Tensor, held: Sequence[torch.Tensor] = ()) -> None:
     """``runs`` with every torch op whose results only compiled kernels on a tape read (a linear
     layer's, between RMSNorm and the attention kernels) made :func:`_again_repointed`: a replay
     then points those kernels at the op's new results rather than copying them into the captured
-    buffers, which leave ``keep`` (and ``ops``, where the op is swapped too). A result that a torch op, a ctypes call made from Python or the
-    step's output reads is still copied. A result's storage is new in the captured step (``keep``
-    holds every buffer, so none is reused), so any tape argument inside it is a pointer into it."""
+    buffers, which leave ``keep`` (and ``ops``, where the op is swapped too). A result is still
+    copied where a torch op, a ctypes call made from Python or the step's output reads it, and
+    where the model keeps a tensor of it (``held``: what its modules hold after the step, which
+    would otherwise keep the captured value). A result's storage is new in the captured step
+    (``keep`` holds every buffer, so none is reused), so any tape argument inside it is a pointer
+    into it."""
     ints: list[tuple[int, Any, int]] = []  # (value, the tape op's argument array, index)
-    pinned = {_storage(output)}  # storages read other than through a tape
+    pinned = {_storage(output), *(_storage(t) for t in held)}  # storages read other than through a tape
     loose: list[int] = []  # integer arguments of ctypes calls made from Python
     for fn, args in runs:
         if isinstance(fn, _Tape):
@@ -315,12 +318,14 @@ class StepGraph:
     """A captured decode step of ``batch`` requests of one token each (see the module)."""
 
     def __init__(self, ops: list[tuple[Callable[..., int], tuple]], keep: list[Any], inputs: dict[str, torch.Tensor],
-                 output: torch.Tensor, max_blocks: int, nbytes: int) -> None:
+                 output: torch.Tensor, max_blocks: int, nbytes: int, held: Sequence[torch.Tensor] = ()) -> None:
         self._ops = ops
+        """The recorded calls, repointed ops swapped in; compiled-kernel calls keep their captured
+        arguments, which may point into released buffers: replay ``_runs``, never these."""
         self._runs = _taped(ops)
         """What a replay calls: ``ops``, each run of compiled-kernel calls in one ``tape_run``, the
         torch ops that only those read repointing them (:func:`_repointed`)."""
-        _repointed(ops, self._runs, keep, output)
+        _repointed(ops, self._runs, keep, output, held)
         self._keep = keep
         self._inputs = inputs
         self.output = output
@@ -381,7 +386,9 @@ class StepGraph:
             why = "the step calls no compiled kernel (nothing to gain)"
         if why is not None:
             return Capture(None, output, why, recorder.too_large)
-        graph = cls(ops, recorder.keep + [static_md], static, output, max_blocks, recorder.nbytes)
+        # what the modules hold after the step (the step's results a module kept among them)
+        held = [t for m in model.modules() for t in _tensors(list(vars(m).values())) if not t.is_mkldnn]
+        graph = cls(ops, recorder.keep + [static_md], static, output, max_blocks, recorder.nbytes, held)
         return Capture(graph, output, "", False)
 
     def fits(self, md: AttentionMetadata) -> bool:
