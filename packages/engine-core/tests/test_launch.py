@@ -4,7 +4,9 @@ the front end parses back from the plan exactly as ``loom serve`` parsed them.""
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -93,25 +95,40 @@ def test_workers_of_small_models_spin_briefly_unless_the_operator_says(monkeypat
 @pytest.mark.parametrize(("tp", "hidden", "device_type", "operator", "bound"), [
     (1, 576, "cpu", {}, True),  # the default model's width
     (1, 128, "cpu", {}, False),  # a small model's worker: mostly one Python thread
-    (2, 576, "cpu", {}, False),  # each rank would take the same first cores
+    (2, 576, "cpu", {}, True),  # each rank on its own share of the cores
     (1, 576, "cuda", {}, False),
+    (2, 576, "cuda", {}, False),
     (1, 576, "cpu", {"LOOM_CPU_BIND": "0"}, False),
+    (2, 576, "cpu", {"LOOM_CPU_BIND": "0"}, False),
     (1, 576, "cpu", {"OMP_PLACES": "{0}"}, False),  # the operator's binding stays the only one
     (1, 576, "cpu", {"GOMP_CPU_AFFINITY": "1"}, False),
     (1, 576, "cpu", {"OMP_NUM_THREADS": "1"}, False),  # serves sharing the machine: not all on core 0
-    (1, 576, "cpu", {"LOOM_CPU_NUM_THREADS": "1"}, False),
+    (2, 576, "cpu", {"LOOM_CPU_NUM_THREADS": "1"}, False),
 ])
-def test_a_lone_cpu_workers_threads_are_bound_to_cores(monkeypatch, tp, hidden, device_type, operator, bound) -> None:
+def test_cpu_workers_of_real_models_are_bound_to_cores(monkeypatch, tp, hidden, device_type, operator, bound) -> None:
     for name in (*launch.OPERATOR_CHOICE, "LOOM_CPU_BIND"):
         monkeypatch.delenv(name, raising=False)
     for name, value in operator.items():
         monkeypatch.setenv(name, value)
     plan = build_plan(config(tp, hidden, device_type=device_type), ServerConfig())
-    operators = {k: operator.get(k) for k in launch.OPERATOR_CHOICE[:4]}
-    want = dict(operators, **launch.CPU_BINDING) if bound else operators
-    for p in plan.processes:  # the workers; the front end and the engine core float
-        assert {k: p.env.get(k) for k in operators} == (want if p.role == "worker" else operators)
-    assert sum(p.role == "worker" for p in plan.processes) == tp
+    workers = [p for p in plan.processes if p.role == "worker"]
+    assert len(workers) == tp
+    binding = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+    operators = {k: operator.get(k) for k in binding}
+    for p in plan.processes:  # the front end and the engine core float
+        if p.role != "worker":
+            assert {k: p.env.get(k) for k in binding} == operators
+    cores = launch.physical_cores(list(os.sched_getaffinity(0)))
+    if not bound or len(cores) < tp:  # (a rank needs a core of its own)
+        assert all({k: p.env.get(k) for k in binding} == operators for p in workers)
+    elif tp == 1:
+        assert {k: workers[0].env.get(k) for k in binding} == dict(operators, **launch.CPU_BINDING)
+    else:
+        places = [p.env["OMP_PLACES"] for p in workers]
+        assert all(p.env["OMP_PROC_BIND"] == "close" for p in workers)
+        shares = [[c.strip("{}") for c in re.findall(r"\{[^}]*\}", place)] for place in places]
+        assert all(shares) and len({c for share in shares for c in share}) == sum(map(len, shares)), places
+        assert {c for share in shares for c in share} <= {",".join(map(str, core)) for core in cores}, places
 
 
 def test_tensor_parallel_workers_talk_over_loopback_only(monkeypatch) -> None:

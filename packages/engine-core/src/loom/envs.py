@@ -39,8 +39,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0" keeps the CPU decode matmuls of GGUF's 4- and 8-bit weights on bf16/fp32 activations
     # instead of quantizing them to int8 per 32 values (AVX512-VNNI CPUs; see platforms/cpu_qdot.c).
     "LOOM_CPU_INT8_ACTIVATIONS": lambda: os.environ.get("LOOM_CPU_INT8_ACTIVATIONS", "1") != "0",
-    # "0" leaves a lone CPU worker's OpenMP threads unbound (the launcher binds them one to a core,
-    # OMP_PROC_BIND=close OMP_PLACES=cores, unless one of those or GOMP_CPU_AFFINITY is set).
+    # "0" leaves CPU workers' OpenMP threads unbound (the launcher binds a real model's one to a
+    # core, each rank to its share, unless the operator set a binding or a thread count).
     # Read by the launcher from the environment it passes on (engine/launch.py).
     "LOOM_CPU_BIND": lambda: os.environ.get("LOOM_CPU_BIND", "1") != "0",
     # "0" keeps CPU linear layers on F.linear instead of weights prepacked for oneDNN.

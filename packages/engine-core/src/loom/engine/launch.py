@@ -14,6 +14,7 @@ import os
 import pickle
 import socket
 import sys
+from pathlib import Path
 
 from loom_plugin_api import tracing
 from loom_supervisor import Plan, ProcessPlan
@@ -46,41 +47,60 @@ def _free_port() -> int:
 WORKER_GOMP_SPINCOUNT = "1000"
 SHORT_SPIN_BELOW_HIDDEN = 512
 
-# A lone CPU worker of a real model has its OpenMP threads bound one to a core
-# (OMP_PROC_BIND=close, OMP_PLACES=cores: libgomp takes the cores of the process's affinity mask,
-# so taskset and cpusets still decide which). Every parallel region ends at a barrier, so a
-# thread the kernel moves onto a core another of them holds stalls them all; served, the front
-# end, the engine core and local clients come and go on those cores. The default model served
-# 64 streams at 762-805 tok/s bound against 705-756 unbound, six pairs alternated, offline
-# unchanged. A small model's worker is mostly one Python thread, which bound to a core can no
-# longer go where the front end and the client leave room: 200 streams of the 2M OPT served
-# 3,629-3,692 tok/s bound against 5,451-5,619 (bench/serve_throughput.py --compare-offline,
-# 2026-12-06, docs/decisions.md). So the binding follows the model as the spin does. Ranks of a
-# tensor-parallel serve stay unbound (each would take the same first cores), and so does a worker
-# whose operator chose a binding or a thread count (serves sharing a machine would be stacked
-# on the same first cores), or set LOOM_CPU_BIND=0.
+# A CPU worker of a real model has its OpenMP threads bound one to a core (OMP_PROC_BIND=close;
+# OMP_PLACES=cores for a lone worker, whose libgomp takes the cores of the process's affinity
+# mask, so taskset and cpusets still decide which; a tensor-parallel rank gets its own share of
+# those cores, listed). Every parallel region ends at a barrier, so a thread the kernel moves onto
+# a core another of them holds stalls them all; served, the front end, the engine core and local
+# clients come and go on those cores. The default model served 64 streams at 762-805 tok/s bound
+# against 705-756 unbound, six pairs alternated, offline unchanged; an OPT-125m shape with
+# --tensor-parallel-size 2 (one core a rank) 578-600 against 522-541, two pairs. A small model's
+# worker is mostly one Python thread, which bound to a core can no longer go where the front end
+# and the client leave room: 200 streams of the 2M OPT served 3,629-3,692 tok/s bound against
+# 5,451-5,619 (bench/serve_throughput.py, 2026-12-06, docs/decisions.md). So the binding follows
+# the model as the spin does. A worker whose operator chose a binding or a thread count (serves
+# sharing a machine would be stacked on the same first cores), or set LOOM_CPU_BIND=0, stays unbound.
 CPU_BINDING = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
 OPERATOR_CHOICE = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_NUM_THREADS",
                    "LOOM_CPU_NUM_THREADS")
 
 
-def worker_env(env: dict[str, str], tp: int, hidden_size: int, device_type: str) -> dict[str, str]:
-    """The workers' environment: a rendezvous address for torch.distributed, a short OpenMP
-    spin for small models, a lone CPU worker's threads bound to cores for the others, and a share of the cores
-    each where there are several ranks, so that they do not oversubscribe them."""
+def physical_cores(cpus: list[int]) -> list[list[int]]:
+    """``cpus`` grouped by physical core (hardware threads of one core together), in order."""
+    cores: dict[str, list[int]] = {}
+    for cpu in sorted(cpus):
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:  # no topology here: each CPU its own core
+            siblings = str(cpu)
+        cores.setdefault(siblings, []).append(cpu)
+    return list(cores.values())
+
+
+def worker_env(env: dict[str, str], tp: int, hidden_size: int, device_type: str) -> list[dict[str, str]]:
+    """Each rank's environment: a rendezvous address for torch.distributed, a short OpenMP spin
+    for small models, OpenMP threads bound to cores for the others on the CPU (a rank's own share
+    of them), and a share of the cores each where there are several ranks, so that they do not
+    oversubscribe them."""
     wenv = dict(env, LOOM_DIST_INIT_METHOD=f"tcp://127.0.0.1:{_free_port()}")
     if "OMP_WAIT_POLICY" not in wenv and hidden_size < SHORT_SPIN_BELOW_HIDDEN:
         wenv.setdefault("GOMP_SPINCOUNT", WORKER_GOMP_SPINCOUNT)  # a policy the operator chose decides alone
-    if (device_type == "cpu" and tp == 1 and hidden_size >= SHORT_SPIN_BELOW_HIDDEN
-            and wenv.get("LOOM_CPU_BIND", "1") != "0" and not any(name in wenv for name in OPERATOR_CHOICE)):
-        wenv.update(CPU_BINDING)
-    if tp > 1:
-        # every rank is on this machine: gloo's pairs listen on loopback only, not on every interface
-        wenv.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        per_rank = max(1, (os.cpu_count() or 1) // tp)
-        wenv.setdefault("LOOM_CPU_NUM_THREADS", str(per_rank))
-        wenv.setdefault("OMP_NUM_THREADS", str(per_rank))
-    return wenv
+    bind = (device_type == "cpu" and hidden_size >= SHORT_SPIN_BELOW_HIDDEN and wenv.get("LOOM_CPU_BIND", "1") != "0"
+            and not any(name in wenv for name in OPERATOR_CHOICE))
+    if tp == 1:
+        return [dict(wenv, **CPU_BINDING) if bind else wenv]
+    # every rank is on this machine: gloo's pairs listen on loopback only, not on every interface
+    wenv.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    per_rank = max(1, (os.cpu_count() or 1) // tp)
+    wenv.setdefault("LOOM_CPU_NUM_THREADS", str(per_rank))
+    wenv.setdefault("OMP_NUM_THREADS", str(per_rank))
+    cores = physical_cores(list(os.sched_getaffinity(0)))
+    share = len(cores) // tp
+    if not bind or share == 0:
+        return [dict(wenv) for _ in range(tp)]
+    return [dict(wenv, OMP_PROC_BIND="close",
+                 OMP_PLACES=",".join("{" + ",".join(map(str, core)) + "}" for core in cores[r * share:(r + 1) * share]))
+            for r in range(tp)]
 
 
 def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge_socket: str | None = None) -> Plan:
@@ -103,8 +123,8 @@ def build_plan(config: LoomConfig, server: ServerConfig | None = None, *, bridge
                                      argv=[python, "-m", "loom.engine.bridge"]))
     tp = config.parallel_config.tensor_parallel_size
     if not config.parallel_config.uses_ray:  # on Ray the engine core starts the ranks as actors
-        wenv = worker_env(env, tp, config.model_config.get_hidden_size(), config.device_config.device_type)
-        processes += [ProcessPlan(role="worker", rank=rank, env=wenv,
+        wenvs = worker_env(env, tp, config.model_config.get_hidden_size(), config.device_config.device_type)
+        processes += [ProcessPlan(role="worker", rank=rank, env=wenvs[rank],
                                   argv=[python, "-m", "loom.worker.proc", "--rank", str(rank)])
                       for rank in range(tp)]
     limits = server or ServerConfig()  # the workers of loom.LLM run under the server's default limits
