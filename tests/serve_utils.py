@@ -71,12 +71,6 @@ def thread_cpus(pid: int) -> list[set[int]]:
     return found
 
 
-def physical_cores(cpus: set[int]) -> set[frozenset[int]]:
-    """``cpus`` grouped by physical core (a core's hardware threads, as far as they are in ``cpus``)."""
-    return {frozenset(cpu_list(Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text())
-                      & cpus) for c in cpus}
-
-
 def get(url: str, timeout: float = 5) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

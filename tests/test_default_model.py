@@ -10,7 +10,7 @@ import httpx
 import pytest
 from loom import LLM, SamplingParams
 from loom.engine import launch
-from serve_utils import physical_cores, serving, thread_cpus
+from serve_utils import serving, thread_cpus
 
 
 def test_default_model_knows_paris():
@@ -83,7 +83,7 @@ def test_serving_the_default_model_binds_the_workers_threads_to_cores(tmp_path, 
     for name in (*launch.OPERATOR_CHOICE, "LOOM_CPU_BIND"):  # an operator's choice leaves them unbound
         monkeypatch.delenv(name, raising=False)
     cores = os.sched_getaffinity(0)
-    physical = physical_cores(cores)
+    physical = {frozenset(core) for core in launch.physical_cores(list(cores))}
     with serving(["--max-model-len", "256"], tmp_path) as serve:
         r = httpx.post(serve.url + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "Hello",
                        "max_tokens": 2}, timeout=120)

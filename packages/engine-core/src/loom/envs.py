@@ -39,10 +39,6 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0" keeps the CPU decode matmuls of GGUF's 4- and 8-bit weights on bf16/fp32 activations
     # instead of quantizing them to int8 per 32 values (AVX512-VNNI CPUs; see platforms/cpu_qdot.c).
     "LOOM_CPU_INT8_ACTIVATIONS": lambda: os.environ.get("LOOM_CPU_INT8_ACTIVATIONS", "1") != "0",
-    # "0" leaves CPU workers' OpenMP threads unbound (the launcher binds a real model's one to a
-    # core, each rank to its share, unless the operator set a binding or a thread count).
-    # Read by the launcher from the environment it passes on (engine/launch.py).
-    "LOOM_CPU_BIND": lambda: os.environ.get("LOOM_CPU_BIND", "1") != "0",
     # "0" keeps CPU linear layers on F.linear instead of weights prepacked for oneDNN.
     "LOOM_CPU_PREPACK": lambda: os.environ.get("LOOM_CPU_PREPACK", "1") != "0",
     # Where converted weights (GGUF -> safetensors) and compiled CPU kernels are cached.

@@ -59,7 +59,8 @@ SHORT_SPIN_BELOW_HIDDEN = 512
 # and the client leave room: 200 streams of the 2M OPT served 3,629-3,692 tok/s bound against
 # 5,451-5,619 (bench/serve_throughput.py, 2026-12-06, docs/decisions.md). So the binding follows
 # the model as the spin does. A worker whose operator chose a binding or a thread count (serves
-# sharing a machine would be stacked on the same first cores), or set LOOM_CPU_BIND=0, stays unbound.
+# sharing a machine would be stacked on the same first cores), or set LOOM_CPU_BIND=0 (read from
+# the environment the workers get, like the rest), stays unbound.
 CPU_BINDING = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
 OPERATOR_CHOICE = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_NUM_THREADS",
                    "LOOM_CPU_NUM_THREADS")
@@ -94,9 +95,9 @@ def worker_env(env: dict[str, str], tp: int, hidden_size: int, device_type: str)
     per_rank = max(1, (os.cpu_count() or 1) // tp)
     wenv.setdefault("LOOM_CPU_NUM_THREADS", str(per_rank))
     wenv.setdefault("OMP_NUM_THREADS", str(per_rank))
-    cores = physical_cores(list(os.sched_getaffinity(0)))
+    cores = physical_cores(list(os.sched_getaffinity(0))) if bind else []
     share = len(cores) // tp
-    if not bind or share == 0:
+    if share == 0:  # not bound, or more ranks than cores
         return [dict(wenv) for _ in range(tp)]
     return [dict(wenv, OMP_PROC_BIND="close",
                  OMP_PLACES=",".join("{" + ",".join(map(str, core)) + "}" for core in cores[r * share:(r + 1) * share]))
