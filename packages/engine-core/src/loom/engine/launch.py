@@ -92,10 +92,11 @@ def worker_env(env: dict[str, str], tp: int, hidden_size: int, device_type: str)
         return [dict(wenv, **CPU_BINDING) if bind else wenv]
     # every rank is on this machine: gloo's pairs listen on loopback only, not on every interface
     wenv.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    per_rank = max(1, (os.cpu_count() or 1) // tp)
+    usable = sorted(os.sched_getaffinity(0))  # the CPUs this serve may use (taskset, a cpuset), not the machine's
+    per_rank = max(1, len(usable) // tp)
     wenv.setdefault("LOOM_CPU_NUM_THREADS", str(per_rank))
     wenv.setdefault("OMP_NUM_THREADS", str(per_rank))
-    cores = physical_cores(list(os.sched_getaffinity(0))) if bind else []
+    cores = physical_cores(usable) if bind else []
     share = len(cores) // tp
     if share == 0:  # not bound, or more ranks than cores
         return [dict(wenv) for _ in range(tp)]
