@@ -8,7 +8,16 @@ oneDNN-prepacked weight loom's CPU layers use, each cycling through copies of it
 add up to all the weights of a step (so each comes from where a step's weights live: cache
 for a tiny model, memory for a real one), and the bound = those FLOPs at the faster of the
 two speeds. Then loom's output tok/s (``offline_throughput.run_loom``)
-as % of the bound, and (unless ``--no-profile``) two more runs of the workload on a fresh
+as % of the bound.
+
+The GEMM-only bound leaves out attention, whose decode steps read every running request's K/V
+from memory: for the default model at 64 requests about as many bytes as the weights. A second
+bound adds that reading, at the read bandwidth of a 1 GiB ``torch`` sum measured in the same run
+(``single_stream.read_bandwidth``), to the GEMMs' time: the K/V each decode step attends to (the
+cache's bytes per token: the model's dtype, or int8 codes and their scales), summed over the
+workload. It counts no attention arithmetic and no prefill attention, so it is a limit too, one
+closer to what a decode step cannot avoid. The decode breakdown gives the same for one step:
+the weights and the K/V it reads, and the time they take at that bandwidth. Then, and (unless ``--no-profile``) two more runs of the workload on a fresh
 engine, each with new prompts so that the prefix cache cannot help: one timed per step, one
 under ``torch.profiler``. Steps are split into prefill steps (prompt tokens scheduled;
 decodes of earlier requests ride along) and decode steps, and the profiler's self CPU time
@@ -54,6 +63,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(__file__))
 from offline_throughput import SHAPES, VOCAB, build_random_model, run_loom, workload  # noqa: E402
+from single_stream import read_bandwidth  # noqa: E402
 
 # Module scopes: the bucket of everything a module runs, by a class name in its MRO.
 SCOPES = {cls: bucket for bucket, classes in {
@@ -88,6 +98,16 @@ def model_linears(cfg: Any) -> tuple[list[tuple[str, int, int]], int, int, int]:
     ffn = getattr(cfg, "ffn_dim", None) or cfg.intermediate_size
     layer = [("qkv", h, (heads + 2 * kv_heads) * d), ("o", heads * d, h), *mlp(ffn)]
     return layer, getattr(cfg, "word_embed_proj_dim", None) or h, cfg.vocab_size, heads * d
+
+
+def kv_bytes_per_token(cfg: Any, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    """Bytes of one token's K and V in every layer's cache: the model's dtype, or for ``int8``
+    one code an element plus an fp32 scale per KV head (``loom.attention.backends.kv_int8``)."""
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    per_head = d + 4 if kv_cache_dtype == "int8" else d * dtype.itemsize
+    return 2 * cfg.num_hidden_layers * kv_heads * per_head
 
 
 def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> tuple[float, float]:
@@ -144,10 +164,16 @@ def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, budget: int
     samples = {"prefill": P, "decode": P * (Out - 1)}  # through the LM head
     per_token, lm_flops = 2 * L * sum(k * n for _, k, n in layer), 2 * lm_in * vocab
     seconds = sum(t_layers[ph] * tokens[ph] / m[ph] + t_lm[ph] * samples[ph] / m_lm[ph] for ph in m)
-    contexts = P * (In * (In + 1) // 2 + sum(In + i for i in range(1, Out)))  # causal context of every query
+    decode_contexts = P * sum(In + i for i in range(1, Out))  # the tokens each decode query attends to
+    contexts = P * In * (In + 1) // 2 + decode_contexts  # causal context of every query
+    kv_bytes = decode_contexts * kv_bytes_per_token(cfg, dtype, args.kv_cache_dtype)
+    kv_seconds = kv_bytes / args.bandwidth
     return dict(rows=rows, timed=timed, per_token=per_token, lm_flops=lm_flops, seconds=seconds, tok_s=P * Out / seconds,
                 flops=sum(per_token * tokens[ph] + lm_flops * samples[ph] for ph in m),
-                m=m, t_layers=t_layers, attn_flops=4 * q_dim * contexts * L)
+                m=m, t_layers=t_layers, attn_flops=4 * q_dim * contexts * L, kv_bytes=kv_bytes,
+                kv_tok_s=P * Out / (seconds + kv_seconds), weight_bytes=step_bytes,
+                # one decode step of m["decode"] requests, on average
+                step_kv_bytes=kv_bytes * m["decode"] / max(P * (Out - 1), 1))
 
 
 def si(x: float, unit: str) -> str:
@@ -301,14 +327,18 @@ def run_model(name: str, args: argparse.Namespace, root: str) -> tuple[float, di
           f"| LM head per sampled token | {si(r['lm_flops'], 'FLOP')} |\n| workload GEMMs | {si(r['flops'], 'FLOP')} |\n"
           f"| attention QK/PV, causal (not in the bound) | {si(r['attn_flops'], 'FLOP')} |\n"
           f"| GEMM-only bound | {r['seconds']:.3g} s = {r['tok_s']:,.0f} output tok/s |\n"
-          f"| loom | {elapsed:.3g} s = {loom_tps:,.0f} output tok/s |\n| loom / bound | {loom_tps / r['tok_s']:.0%} |",
+          f"| K/V the decode steps read ({args.kv_cache_dtype} cache) | {si(r['kv_bytes'], 'B')} |\n"
+          f"| read bandwidth (1 GiB torch sum, best of 4) | {si(args.bandwidth, 'B/s')} |\n"
+          f"| GEMMs + K/V at that bandwidth | {args.num_prompts * args.output_len / r['kv_tok_s']:.3g} s = {r['kv_tok_s']:,.0f} output tok/s |\n"
+          f"| loom | {elapsed:.3g} s = {loom_tps:,.0f} output tok/s |\n| loom / bound | {loom_tps / r['tok_s']:.0%} |\n"
+          f"| loom / (GEMMs + K/V) | {loom_tps / r['kv_tok_s']:.0%} |",
           flush=True)
     peer = run_peer(args.peer_python, model, prompts, args.output_len, args.dtype, root) if args.peer_python else None
     if peer is not None:
         print(f"| vLLM (same prompts, same weights) | {peer:,.0f} output tok/s = {peer / r['tok_s']:.0%} of the bound |\n"
               f"| loom / vLLM | {loom_tps / peer:.2f}x |", flush=True)
     if not args.no_profile:
-        print_breakdown(LLM(model, **engine), others, args.output_len, r)
+        print_breakdown(LLM(model, **engine), others, args.output_len, r, args.bandwidth)
     return loom_tps, r, peer
 
 
@@ -334,7 +364,8 @@ def run_peer(python: str, model: str | None, prompts: list[list[int]], output_le
     return float(json.loads(result[-1].split(" ", 1)[1])["tok_s"])
 
 
-def print_breakdown(llm: Any, workloads: list[list[list[int]]], output_len: int, r: dict[str, Any]) -> None:
+def print_breakdown(llm: Any, workloads: list[list[list[int]]], output_len: int, r: dict[str, Any],
+                    bandwidth: float) -> None:
     """Run two workloads on ``llm``, timed per step then profiled, and print a table per phase."""
     from loom import SamplingParams
 
@@ -364,12 +395,22 @@ def print_breakdown(llm: Any, workloads: list[list[list[int]]], output_len: int,
               f"{total / 1e3 / n:.1f} profiled; layer GEMMs at "
               f"{r['per_token'] * sum(p[1] for p in steps) / max(gemm_s, 1e-9) / 1e9:,.0f} GFLOP/s in loom, "
               f"{r['per_token'] * r['m'][ph] / r['t_layers'][ph] / 1e9:,.0f} alone ({r['m'][ph]} rows)"
+              f"{memory_floor(r, bandwidth, sum(p[2] for p in timed) / max(len(timed), 1)) if ph == 'decode' else ''}"
               "\n\n| bucket | ms per step | % | largest ops (Python: scopes), ms per step |\n|---|---|---|---|")
         for row in ROWS:
             ops = sorted(((t, op) for (b, op), t in us.items() if b == row), reverse=True)
             top = ", ".join(f"{op} {t / 1e3 / n:.2f}" for t, op in ops[:3]) if row != ROWS[-1] else ""
             row_us = sum(t for t, _ in ops)
             print(f"| {row} | {row_us / 1e3 / n:.2f} | {row_us / max(total, 1):.1%} | {top} |")
+
+
+def memory_floor(r: dict[str, Any], bandwidth: float, step_s: float) -> str:
+    """What a decode step must read (every weight once, the K/V of its requests' contexts) and how
+    long that takes at ``bandwidth``, against the step's unprofiled time."""
+    total = r["weight_bytes"] + r["step_kv_bytes"]
+    return (f"; it reads {si(total, 'B')} (weights {si(r['weight_bytes'], 'B')}, K/V {si(r['step_kv_bytes'], 'B')}), "
+            f"{total / bandwidth * 1e3:.1f} ms at {si(bandwidth, 'B/s')}: the step at "
+            f"{total / bandwidth / max(step_s, 1e-9):.0%} of the read bandwidth")
 
 
 def main() -> None:
@@ -388,15 +429,17 @@ def main() -> None:
     print(f"# loom roofline, {datetime.datetime.now():%Y-%m-%d %H:%M}\n\n`python {shlex.join(sys.argv)}`\n\n"
           f"{machine(args.dtype)}; {args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
           "greedy, EOS ignored")
+    args.bandwidth = read_bandwidth()
     results: dict[str, tuple[float, dict[str, Any], float | None]] = {}
     with tempfile.TemporaryDirectory() as root:
         for name in args.models:
             results[name] = run_model(name, args, root)
-    print("\n| model | dtype | loom tok/s | GEMM-only bound tok/s | loom / bound | vLLM tok/s | loom / vLLM |\n"
-          "|---|---|---|---|---|---|---|")
+    print("\n| model | dtype | loom tok/s | GEMM-only bound tok/s | loom / bound | GEMMs + K/V bound tok/s | "
+          "loom / it | vLLM tok/s | loom / vLLM |\n|---|---|---|---|---|---|---|---|---|")
     for name, (tps, r, peer) in results.items():
         vs = f"{peer:,.0f} | {tps / peer:.2f}x" if peer else "- | -"
-        print(f"| {name} | {args.dtype} | {tps:,.0f} | {r['tok_s']:,.0f} | {tps / r['tok_s']:.0%} | {vs} |")
+        print(f"| {name} | {args.dtype} | {tps:,.0f} | {r['tok_s']:,.0f} | {tps / r['tok_s']:.0%} | "
+              f"{r['kv_tok_s']:,.0f} | {tps / r['kv_tok_s']:.0%} | {vs} |")
 
 
 if __name__ == "__main__":
