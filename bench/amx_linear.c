@@ -2,7 +2,7 @@
  * bench/amx_linear.py (not used by loom; see that script for why it exists and what it shows).
  *
  * out (m x n, bf16) = x (m x k, bf16) . w^T (+ bias), fp32 sums, for m <= 64, k % 32 == 0,
- * n % 16 == 0. An AMX multiply (`tdpbf16ps`) takes its first operand as rows of 32 bf16 and its
+ * n % 16 == 0; x's rows at an even stride (elements) of at least k, w contiguous. An AMX multiply (`tdpbf16ps`) takes its first operand as rows of 32 bf16 and its
  * second in pairs along k (VNNI). A weight row is such a first-operand row, so the kernel computes
  * out^T = w . x^T: a tile of 16 weight rows x 32 k is loaded straight from the weight (no packed
  * copy), x^T is laid out in pairs once per call (at most 64 rows, from cache), and each 16 x 16
@@ -67,7 +67,7 @@ static inline void transpose16(__m512 r[16]) {
     }
 }
 
-static __thread uint32_t *xt_buf; /* x^T in pairs, kept between calls */
+static __thread uint32_t *xt_buf; /* x^T in pairs, kept between calls (never freed: a benchmark's) */
 static __thread size_t xt_cap;
 
 /* 16 weight rows (wn) against MB blocks of 16 rows of x: result tiles 0..MB-1, weight tile 4,
@@ -75,7 +75,7 @@ static __thread size_t xt_cap;
 #define TDP(J, B) { _tile_loadd(B, xk + (J) * 256, 64); _tile_dpbf16ps(J, 4, B); }
 #define KLOOP(MB)                                                                                  \
     for (int64_t s = 0; s < ks; s++) {                                                             \
-        if (wn + 16 * k < wend)                                                                    \
+        if (b + 1 < b1) /* this thread's next 16 rows */                                           \
             for (int r = 0; r < 16; r++) _mm_prefetch((const char *)(wn + (16 + r) * k + 32 * s), _MM_HINT_T0); \
         _tile_loadd(4, wn + 32 * s, 2 * k);                                                        \
         const uint32_t *xk = xt + s * mb * 256;                                                    \
@@ -85,7 +85,8 @@ static __thread size_t xt_cap;
 /* 0, or 2 where the shapes are not the kernel's, 1 where scratch memory ran out */
 int amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t m, const bf16_t *w, int64_t n, int64_t k,
                     const bf16_t *bias, bf16_t *out, int64_t out_stride, int nthreads) {
-    if (k % 32 || n % 16 || m > 64 || m < 1) return 2;
+    /* x's rows are gathered in 32-bit pairs with int32 offsets of up to 15 rows */
+    if (k % 32 || n % 16 || m > 64 || m < 1 || x_stride % 2 || x_stride < k || x_stride / 2 > INT32_MAX / 16) return 2;
     const int64_t ks = k / 32, mb = (m + 15) / 16, nblk = n / 16;
     const size_t need = (size_t)(ks * mb * 1024);
     if (need > xt_cap) {
@@ -95,7 +96,6 @@ int amx_linear_bf16(const bf16_t *x, int64_t x_stride, int64_t m, const bf16_t *
         if (!xt_buf) return 1;
     }
     uint32_t *xt = xt_buf;
-    const bf16_t *wend = w + n * k;
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)(x_stride / 2)));
     _Pragma("omp parallel num_threads(nthreads)")

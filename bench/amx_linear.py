@@ -13,8 +13,9 @@ weights, so they come from memory as in a step) for M rows of activations, three
 Each row: ms for the 120 calls (median of rounds, the three alternated in each round), the weight
 bytes read over that time, and that as a share of the read bandwidth of a 1 GiB ``torch`` sum
 measured in the same run. Where a path's time stays flat as M grows it is bound by reading the
-weights. The prototype is checked against an fp32 reference first (the same tolerance
-``F.linear`` meets). It is not used by loom: it exists to size an AMX decode path before one is
+weights. The prototype is checked against an fp32 reference first, with and without a bias, for
+each shape and row counts that fill one to four 16-row blocks, whole and in part (its error may be
+at most twice ``F.linear``'s, or 1e-2). It is not used by loom: it exists to size an AMX decode path before one is
 built (``docs/performance.md``, 2026-12-06). Needs a CPU with AMX-BF16 and a C compiler.
 
     python bench/amx_linear.py
@@ -59,6 +60,10 @@ def build(root: str) -> ctypes.CDLL:
 
 def amx_linear(k: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     m, n = x.shape[0], w.shape[0]
+    if (x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.dim() != 2 or w.dim() != 2
+            or x.stride(1) != 1 or not w.is_contiguous() or x.shape[1] != w.shape[1]
+            or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,) or not bias.is_contiguous()))):
+        raise ValueError("amx_linear: bf16 x (m, k) with unit inner stride, contiguous bf16 w (n, k), bias (n,)")
     out = torch.empty(m, n, dtype=torch.bfloat16)
     rc = k.amx_linear_bf16(x.data_ptr(), x.stride(0), m, w.data_ptr(), n, w.shape[1],
                            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
@@ -69,17 +74,22 @@ def amx_linear(k: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, bias: torch.Ten
 
 
 def check(k: ctypes.CDLL) -> None:
-    """Every row count of the kernel's (1-64, a partial 16-row block among them), each shape, with
-    a bias: within the relative error F.linear has against the same fp32 reference."""
+    """Row counts that fill one to four 16-row blocks, whole and in part, each shape, with and
+    without a bias, x a view with a wider row stride: against an fp32 reference, the kernel's
+    relative error at most twice F.linear's (or 1e-2)."""
     g = torch.Generator().manual_seed(0)
-    for m in (1, 5, 16, 17, 33, 48, 64):
+    for m in (1, 5, 16, 17, 33, 48, 50, 63, 64):
         for n, kk in [(16, 32), *SHAPES]:
-            x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((m, kk), (n, kk), (n,)))
-            ref = x.float() @ w.float().T + b.float()
-            errs = [((y.float() - ref).abs() / (ref.abs() + 1)).max().item()
-                    for y in (amx_linear(k, x, w, b), F.linear(x, w, b))]
-            if errs[0] > max(2 * errs[1], 1e-2):
-                sys.exit(f"amx_linear_bf16 is wrong at {m} x {kk} -> {n}: error {errs[0]:.3g}, F.linear's {errs[1]:.3g}")
+            for with_bias in (True, False):
+                x = torch.randn(m, kk + 32, generator=g).bfloat16()[:, 16:kk + 16]  # row stride kk + 32
+                w, b = torch.randn(n, kk, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+                b = b if with_bias else None
+                ref = x.float() @ w.float().T + (b.float() if with_bias else 0)
+                errs = [((y.float() - ref).abs() / (ref.abs() + 1)).max().item()
+                        for y in (amx_linear(k, x, w, b), F.linear(x, w, b))]
+                if errs[0] > max(2 * errs[1], 1e-2):
+                    sys.exit(f"amx_linear_bf16 is wrong at {m} x {kk} -> {n} (bias: {with_bias}): "
+                             f"error {errs[0]:.3g}, F.linear's {errs[1]:.3g}")
 
 
 def median_ms(paths: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:

@@ -7,24 +7,25 @@ scheduler runs (the prefill token budget, the decode batch) with ``F.linear`` an
 oneDNN-prepacked weight loom's CPU layers use, each cycling through copies of its weight that
 add up to all the weights of a step (so each comes from where a step's weights live: cache
 for a tiny model, memory for a real one), and the bound = those FLOPs at the faster of the
-two speeds. Then loom's output tok/s (``offline_throughput.run_loom``)
-as % of the bound.
+two speeds. Then loom's output tok/s (``offline_throughput.run_loom``) as % of the bound, and
+(unless ``--no-profile``) two more runs of the workload on a fresh engine, each with new
+prompts so that the prefix cache cannot help: one timed per step, one under
+``torch.profiler``. Steps are split into prefill steps (prompt tokens scheduled; decodes of
+earlier requests ride along) and decode steps, and the profiler's self CPU time per step is
+bucketed into GEMMs, attention, norms and activations, embedding and LM head, sampling, other
+ops and Python, through scopes the script hooks onto loom's modules and names it gives the CPU
+platform's compiled kernels (each call of a replayed decode step's too, which otherwise run as
+one C call per run of them and would count as the engine's own time).
 
 The GEMM-only bound leaves out attention, whose decode steps read every running request's K/V
 from memory: for the default model at 64 requests about as many bytes as the weights. A second
-bound adds that reading, at the read bandwidth of a 1 GiB ``torch`` sum measured in the same run
-(``single_stream.read_bandwidth``), to the GEMMs' time: the K/V each decode step attends to (the
-cache's bytes per token: the model's dtype, or int8 codes and their scales), summed over the
-workload. It counts no attention arithmetic and no prefill attention, so it is a limit too, one
-closer to what a decode step cannot avoid. The decode breakdown gives the same for one step:
-the weights and the K/V it reads, and the time they take at that bandwidth. Then, and (unless ``--no-profile``) two more runs of the workload on a fresh
-engine, each with new prompts so that the prefix cache cannot help: one timed per step, one
-under ``torch.profiler``. Steps are split into prefill steps (prompt tokens scheduled;
-decodes of earlier requests ride along) and decode steps, and the profiler's self CPU time
-per step is bucketed into GEMMs, attention, norms and activations, embedding and LM head,
-sampling, other ops and Python, through scopes the script hooks onto loom's modules and names
-it gives the CPU platform's compiled kernels (each call of a replayed decode step's too, which
-otherwise run as one C call per run of them and would count as the engine's own time).
+figure adds that reading, at the read bandwidth of a 1 GiB ``torch`` sum measured in the same
+run (``single_stream.read_bandwidth``), to the GEMMs' time: the K/V each decode step attends to
+(the cache's bytes per token: the model's dtype, or int8 codes and their scales), summed over
+the workload. It counts no attention arithmetic and no prefill attention, and assumes the K/V
+reads do not overlap the GEMMs and go no faster than that sum: an estimate of what the decode
+steps cannot avoid, not a hard limit. The decode breakdown gives the same for one step: the
+weights and the K/V it reads, and the time they take at that bandwidth.
 
 With ``--peer-python`` (vLLM's interpreter, ``../shared/TOOLCHAIN.md``) the random-shape
 models also run through vLLM's CPU build (``peer_vllm.py``) on the same prompts and weights,

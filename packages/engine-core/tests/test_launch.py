@@ -131,28 +131,32 @@ def test_cpu_workers_of_real_models_are_bound_to_cores(monkeypatch, tp, hidden, 
         assert {c for share in shares for c in share} <= {",".join(map(str, core)) for core in cores}, places
 
 
-@pytest.mark.parametrize(("cpus", "machine", "bind"), [
-    ({0, 1}, 8, True),  # a cpuset of two CPUs on an 8-CPU machine: a thread each, on its own CPU
-    ({0, 1, 2, 3}, 16, True),
-    ({0, 1, 2, 3}, 16, False),
-    ({3}, 2, True),  # fewer CPUs than ranks: one thread each, unbound
+@pytest.mark.parametrize(("cpus", "machine", "smt", "bind"), [
+    ({0, 1}, 8, False, True),  # a cpuset of two CPUs on an 8-CPU machine: a thread each, on its own CPU
+    ({0, 1, 2, 3}, 16, False, True),
+    ({0, 1, 2, 3}, 16, False, False),
+    ({0, 1, 2, 3}, 16, True, True),  # two cores of two hardware threads: two threads a rank, on its core
+    ({3}, 2, False, True),  # fewer CPUs than ranks: one thread each, unbound
 ])
-def test_tensor_parallel_ranks_share_the_cpus_the_serve_may_use(monkeypatch, cpus, machine, bind) -> None:
+def test_tensor_parallel_ranks_share_the_cpus_the_serve_may_use(monkeypatch, cpus, machine, smt, bind) -> None:
     for name in (*launch.OPERATOR_CHOICE, "LOOM_CPU_BIND"):
         monkeypatch.delenv(name, raising=False)
     if not bind:
         monkeypatch.setenv("LOOM_CPU_BIND", "0")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(cpus))
     monkeypatch.setattr(os, "cpu_count", lambda: machine)
-    monkeypatch.setattr(launch, "physical_cores", lambda cpus: [[c] for c in sorted(cpus)])  # no SMT
+    width = 2 if smt else 1  # hardware threads a core
+    monkeypatch.setattr(launch, "physical_cores", lambda usable: [sorted(usable)[i:i + width]
+                                                                  for i in range(0, len(usable), width)])
     workers = [p for p in build_plan(config(2, 576), ServerConfig()).processes if p.role == "worker"]
     per_rank = max(1, len(cpus) // 2)
     assert [(p.env["OMP_NUM_THREADS"], p.env["LOOM_CPU_NUM_THREADS"]) for p in workers] == [(str(per_rank),) * 2] * 2
     places = [p.env.get("OMP_PLACES") for p in workers]
-    if bind and len(cpus) >= 2:  # as many threads as places, and every place one of the serve's CPUs
-        shares = [re.findall(r"\{(\d+)\}", place) for place in places]
-        assert [len(share) for share in shares] == [per_rank, per_rank], places
-        assert {int(c) for share in shares for c in share} == set(cpus), places
+    if bind and len(cpus) >= 2 * width:  # each rank's threads fill its cores, every CPU of the serve's in one place
+        shares = [[[int(c) for c in core.split(",")] for core in re.findall(r"\{([\d,]+)\}", place)] for place in places]
+        assert [sum(map(len, share)) for share in shares] == [per_rank, per_rank], places
+        assert all(len(core) == width for share in shares for core in share), places
+        assert sorted(c for share in shares for core in share for c in core) == sorted(cpus), places
     else:
         assert places == [None, None]
 
