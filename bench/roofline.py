@@ -56,7 +56,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from loom.attention.backends import native
+from loom.attention.backends import kv_int8, native
 from loom.layers import onednn
 from loom.worker import cpu_step_replay
 from loom_plugin_api import custom_op
@@ -102,13 +102,13 @@ def model_linears(cfg: Any) -> tuple[list[tuple[str, int, int]], int, int, int]:
 
 
 def kv_bytes_per_token(cfg: Any, dtype: torch.dtype, kv_cache_dtype: str) -> int:
-    """Bytes of one token's K and V in every layer's cache: the model's dtype, or for ``int8``
-    one code an element plus an fp32 scale per KV head (``loom.attention.backends.kv_int8``)."""
+    """Bytes of one token's K and V in every layer's cache: the model's dtype, or the int8
+    cache's row (codes and scales, ``kv_int8.row_bytes``)."""
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    per_head = d + 4 if kv_cache_dtype == "int8" else d * dtype.itemsize
-    return 2 * cfg.num_hidden_layers * kv_heads * per_head
+    row = kv_int8.row_bytes(kv_heads, d) if kv_cache_dtype == "int8" else kv_heads * d * dtype.itemsize
+    return 2 * cfg.num_hidden_layers * row
 
 
 def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> tuple[float, float]:
