@@ -372,6 +372,73 @@ def test_few_long_rows_split_their_context_across_threads(kernel, which, heads, 
         torch.set_num_threads(before)
 
 
+def _share(kernel, cost: list[int], nt: int) -> list[tuple[int, int]]:
+    """The items [lo, hi) each of nt threads takes (``thread_share`` in paged_decode.c)."""
+    fn = kernel.lib.paged_decode_thread_share
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    fn.argtypes, fn.restype = [i64p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, i64p, i64p], None
+    arr = (ctypes.c_int64 * max(len(cost), 1))(*cost)
+    shares = []
+    for tid in range(nt):
+        lo, hi = ctypes.c_int64(), ctypes.c_int64()
+        fn(arr, len(cost), nt, tid, ctypes.byref(lo), ctypes.byref(hi))
+        shares.append((lo.value, hi.value))
+    return shares
+
+
+@pytest.mark.parametrize("nt", [1, 2, 3, 4, 7])
+def test_threads_share_the_items_by_their_cost(kernel, nt):
+    """Each thread takes a run of consecutive items whose cost is its share of the total, give or
+    take one item: with long and short rows alternating, items dealt round-robin gave one of two
+    threads nearly all the K/V to read. Every item is taken once, by one thread, in order."""
+    rng = torch.Generator().manual_seed(nt)
+    cases = [[616, 48] * 32, [48, 616] * 32, torch.randint(17, 656, (64,), generator=rng).tolist(),
+             [5000] + [20] * 40, [20] * 40 + [5000], [100] * 3, [7], []]
+    for cost in cases:
+        shares = _share(kernel, cost, nt)
+        taken = [i for lo, hi in shares for i in range(lo, hi)]
+        assert taken == list(range(len(cost))), f"{cost}: {shares}"
+        if not cost:
+            continue
+        fair, biggest = sum(cost) / nt, max(cost)
+        for lo, hi in shares:
+            assert abs(sum(cost[lo:hi]) - fair) <= biggest, f"{cost}: {shares}"
+
+
+@pytest.mark.parametrize("which", ["bf16", "portable bf16", "float32", "float16"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_rows_of_alternating_lengths_on_any_number_of_threads(kernel, which, threads):
+    """Decode rows whose contexts alternate long and short, with a prefill chunk's rows among them,
+    on two and three threads (the items shared by cost, not dealt round-robin): every row is
+    computed once and lands where it belongs."""
+    dtype = {"bf16": torch.bfloat16, "portable bf16": torch.bfloat16}.get(which) or getattr(torch, which)
+    k = _portable_bf16(kernel) if which == "portable bf16" else kernel
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        heads, kv_heads, head_size, block_size, nblk = 9, 3, 64, 16, 40
+        ctx = torch.tensor([333, 9, 400, 40, 287, 1, 512, 33, 301])
+        B = len(ctx)
+        tables = torch.randperm(B * nblk, generator=g).view(B, nblk)
+        k_cache, v_cache = (torch.randn(B * nblk * block_size, kv_heads, head_size, generator=g).to(dtype)
+                            for _ in range(2))
+        # a prefill chunk of the last request (its last 4 tokens) after the decode rows
+        rows_req = torch.cat([torch.arange(B), torch.full((4,), B - 1)])
+        ctx_of = torch.cat([ctx, torch.arange(298, 302)])
+        T = len(rows_req)
+        query = torch.randn(T, heads * head_size, generator=g).to(dtype)
+        rows_q = torch.randperm(T, generator=g)
+        out = torch.full((T, heads * head_size), 7.0, dtype=dtype)
+        k(query, rows_q, rows_req, k_cache, v_cache, tables, ctx_of, out, num_heads=heads, block_size=block_size,
+          scale=0.125)
+        want = _reference(query, rows_q, rows_req, k_cache, v_cache, tables, ctx_of, heads, block_size, 0.125)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out[rows_q].double(), want, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_torch_flash_uses_amx_needs_the_cpu_flag_and_torch(monkeypatch):
     """Prefills leave the kernel for torch's flash kernel only where that one has AMX tiles: the
     CPU reports amx_bf16 and torch says it can use the tiles."""

@@ -151,6 +151,34 @@ static inline prefetcher next_item(int64_t b, int64_t part, int64_t hpi, int64_t
                         .per_step = lines / (calls > 0 ? calls : 1) + 1, .which = 0, .t0 = 0};
 }
 
+/* ---- Sharing work items among the threads ----
+ * By cost, not dealt round-robin: thread tid takes the consecutive items [*lo, *hi) whose costs
+ * add up to about 1/nt of the total (an item goes to the thread whose share holds its middle).
+ * Dealt round-robin, a thread's work followed the contexts of the rows it was dealt: with long
+ * and short rows alternating, one of two threads read most of the K/V while the other waited at
+ * the parallel region's end (2.4x the time a token of a batch of equal rows). A thread's next
+ * item (whose K/V it asks for while it computes this one) is it + 1 while that is below *hi. */
+#define ITEM_TOKENS 16 /* an item's own cost (its query, scratch and output), in tokens of K/V */
+
+static inline void thread_share(const int64_t *cost, int64_t n, int nt, int tid, int64_t *lo, int64_t *hi) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) total += cost[i];
+    *lo = *hi = n;
+    int64_t before = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t owner = total > 0 ? (2 * before + cost[i]) * nt / (2 * total) : i * nt / n;
+        owner = owner < nt ? owner : nt - 1;
+        if (owner >= tid && *lo == n) *lo = i;
+        if (owner > tid) { *hi = i; break; }
+        before += cost[i];
+    }
+}
+
+/* thread_share, for the tests */
+void paged_decode_thread_share(const int64_t *cost, int64_t n, int nt, int tid, int64_t *lo, int64_t *hi) {
+    thread_share(cost, n, nt, tid, lo, hi);
+}
+
 /* each of nr rows (row stride `stride`) of scores: softmax over its first ctx values, in place;
  * where ml is not NULL, ml[2r] and ml[2r + 1] receive row r's max and sum of exponentials (what a
  * later merge of softmaxes over parts of a context needs) */
@@ -200,6 +228,28 @@ static inline void part_range(int64_t ctx, int64_t chunks, int64_t c, int64_t *t
     const int64_t len = ((ctx + chunks - 1) / chunks + 15) / 16 * 16;
     *tb = c * len;
     *te = *tb + len < ctx ? *tb + len : ctx;
+}
+
+/* The costs of a decode step's `items` items, malloc'd (NULL: out of memory). Item it is of row
+ * it / per_req (singles[it / per_req] where singles is not NULL) and either part it % chunks of
+ * its context with all Hk KV heads (chunks > 0) or its KV heads (it % per_req) * hpi .. (at most
+ * hpi of them); its cost is the tokens it reads times its KV heads, ITEM_TOKENS more a head. */
+static int64_t *decode_costs(const int64_t *ctx_lens, const int64_t *singles, int64_t items, int64_t per_req,
+                             int64_t chunks, int64_t hpi, int64_t Hk) {
+    int64_t *cost = malloc(sizeof(int64_t) * (size_t)(items > 0 ? items : 1));
+    if (!cost) return NULL;
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t b = singles ? singles[it / per_req] : it / per_req;
+        if (chunks) {
+            int64_t tb, te;
+            part_range(ctx_lens[b], chunks, it % chunks, &tb, &te);
+            cost[it] = Hk * ((te > tb ? te - tb : 0) + ITEM_TOKENS);
+        } else {
+            const int64_t kh0 = (it % per_req) * hpi, kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk;
+            cost[it] = (kh1 - kh0) * (ctx_lens[b] + ITEM_TOKENS);
+        }
+    }
+    return cost;
 }
 
 /* the prefetcher of split item it (row singles[it / chunks], or it / chunks where singles is NULL;
@@ -296,7 +346,8 @@ int FN(                                                                         
     const int64_t hpi = (Hk + parts - 1) / parts, per_req = chunks ? chunks : (Hk + hpi - 1) / hpi; \
     const int64_t items = B * per_req, rows_max = hpi * g;                                     \
     float *part = chunks ? malloc(sizeof(float) * (size_t)(items * H * pw)) : NULL;           \
-    if (chunks && !part) return 1;                                                             \
+    int64_t *cost = decode_costs(ctx_lens, NULL, items, per_req, chunks, hpi, Hk);             \
+    if ((chunks && !part) || !cost) { free(part); free(cost); return 1; }                      \
     int failed = 0;                                                                            \
     _Pragma("omp parallel num_threads(nthreads)")                                              \
     {                                                                                          \
@@ -309,7 +360,9 @@ int FN(                                                                         
         } else {                                                                               \
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();                  \
             float *ml = scores + rows_max * max_ctx; /* a split item's softmax max and sum a row */ \
-            for (int64_t it = tid; it < items; it += nt) {                                     \
+            int64_t lo, hi;                                                                    \
+            thread_share(cost, items, nt, tid, &lo, &hi);                                      \
+            for (int64_t it = lo; it < hi; it++) {                                             \
                 const int64_t b = it / per_req, kh0 = chunks ? 0 : (it % per_req) * hpi;       \
                 const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, nr = (kh1 - kh0) * g;     \
                 int64_t tb = 0, ctx = ctx_lens[b]; /* the item's tokens: [tb, ctx) */          \
@@ -324,11 +377,11 @@ int FN(                                                                         
                 const T *qrow = query + rows_q[b] * q_stride + kh0 * g * D;                    \
                 /* the next item's K/V while this one computes; not for heads under 32 elements, \
                  * whose per-token work is too small to hide the asking (6% slower, 2M OPT) */   \
-                prefetcher pf = chunks ? part_prefetcher(D >= 32 ? it + nt : items, items, chunks, NULL, rows_req, \
+                prefetcher pf = chunks ? part_prefetcher(D >= 32 && it + 1 < hi ? it + 1 : items, items, chunks, NULL, rows_req, \
                                                          tables, bt_stride, ctx_lens, block_size, k_cache, \
                                                          v_cache, row * (int64_t)sizeof(T), (ctx - tb + 3) / 4 * 2) \
-                                       : next_item(D >= 32 && it + nt < items ? (it + nt) / per_req : -1, \
-                                                   (it + nt) % per_req, hpi, Hk, D, sizeof(T), rows_req, tables, \
+                                       : next_item(D >= 32 && it + 1 < hi ? (it + 1) / per_req : -1, \
+                                                   (it + 1) % per_req, hpi, Hk, D, sizeof(T), rows_req, tables, \
                                                    bt_stride, ctx_lens, block_size, k_cache, v_cache, (ctx + 3) / 4 * 2); \
                 for (int64_t j = 0; j < nr * dv; j++) qv[j] = load_##NAME(qrow + 8 * j) * scale;\
                 int64_t t = tb;                                                                \
@@ -396,6 +449,7 @@ int FN(                                                                         
                 for (int64_t d = 0; d < D; d++) orow[d] = store_##NAME(o[d]);                  \
             }                                                                                  \
     free(part);                                                                                \
+    free(cost);                                                                                \
     return failed;                                                                             \
 }
 

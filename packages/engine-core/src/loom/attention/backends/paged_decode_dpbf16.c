@@ -361,6 +361,12 @@ static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int
         max_ctx = c > max_ctx ? c : max_ctx;
     }
     const int64_t stride = (max_ctx + 15) / 16 * 16, g = H / Hk, row = Hk * D, items = nruns * Hk;
+    int64_t *cost = malloc(sizeof(int64_t) * (size_t)items); /* a run's rows times their context (see thread_share) */
+    if (!cost) return 1;
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t k = it / Hk;
+        cost[it] = lens[k] * (ctx_lens[runs[k] + lens[k] - 1] + ITEM_TOKENS);
+    }
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
@@ -372,7 +378,9 @@ static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int
             _Pragma("omp atomic write") failed = 1;
         } else {
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-            for (int64_t it = tid; it < items; it += nt) {
+            int64_t lo, hi;
+            thread_share(cost, items, nt, tid, &lo, &hi);
+            for (int64_t it = lo; it < hi; it++) {
                 const int64_t k = it / Hk, kh = it % Hk, b0 = runs[k];
                 prefill_run(query, q_stride, rows_q + b0, ctx_lens + b0, lens[k], k_cache, v_cache,
                             tables + rows_req[b0] * bt_stride, block_size, row, kh, g, D, scale, scores, stride,
@@ -381,6 +389,7 @@ static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int
         }
         free(scores); free(kt); free(vt); free(acc);
     }
+    free(cost);
     return failed;
 }
 
@@ -401,7 +410,8 @@ static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     const int64_t g = H / Hk, row = Hk * D, pw = D + 2, items = B * chunks;
     const int64_t len_max = ((max_ctx + chunks - 1) / chunks + 15) / 16 * 16;
     float *part = malloc(sizeof(float) * (size_t)(items * H * pw)); /* item, query head: o (D), max, sum */
-    if (!part) return 1;
+    int64_t *cost = decode_costs(ctx_lens, singles, items, chunks, chunks, Hk, Hk);
+    if (!part || !cost) { free(part); free(cost); return 1; }
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
@@ -412,13 +422,15 @@ static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int
             float *ml = scores + g * len_max;
             int64_t *slots = (int64_t *)(ml + (2 * g + 15) / 16 * 16);
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-            for (int64_t it = tid; it < items; it += nt) {
+            int64_t lo, hi;
+            thread_share(cost, items, nt, tid, &lo, &hi);
+            for (int64_t it = lo; it < hi; it++) {
                 const int64_t b = singles[it / chunks];
                 int64_t tb, te;
                 part_range(ctx_lens[b], chunks, it % chunks, &tb, &te);
                 const int64_t n = te > tb ? te - tb : 0;
                 /* spread over this item's calls of prefetch_some: QK per tile and head, PV per 4 tokens */
-                prefetcher pf = part_prefetcher(it + nt, items, chunks, singles, rows_req, tables, bt_stride,
+                prefetcher pf = part_prefetcher(it + 1 < hi ? it + 1 : items, items, chunks, singles, rows_req, tables, bt_stride,
                                                 ctx_lens, block_size, k_cache, v_cache, row * (int64_t)sizeof(bf16_t),
                                                 Hk * (((n + 15) / 16) * g + ((n + 3) / 4) * ((g + 3) / 4) * ((D + 63) / 64)));
                 float *pb = part + it * H * pw;
@@ -443,6 +455,7 @@ static int decode_split_dp_bf16(const bf16_t *query, int64_t q_stride, const int
                     _mm256_storeu_si256((void *)(dst + 16 * k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(o + 16 * k)));
             }
     free(part);
+    free(cost);
     return failed;
 }
 
@@ -485,6 +498,8 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     if (parts > Hk) parts = Hk;
     if (parts < 1) parts = 1;
     const int64_t hpi = (Hk + parts - 1) / parts, per_req = (Hk + hpi - 1) / hpi, items = B * per_req;
+    int64_t *cost = decode_costs(ctx_lens, singles, items, per_req, 0, hpi, Hk);
+    if (!cost) { free(runs); return 1; }
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
@@ -495,11 +510,13 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
             float *ml = scores + g * stride;
             int64_t *slots = (int64_t *)(ml + (2 * g + 15) / 16 * 16);
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-            for (int64_t it = tid; it < items; it += nt) {
+            int64_t lo, hi;
+            thread_share(cost, items, nt, tid, &lo, &hi);
+            for (int64_t it = lo; it < hi; it++) {
                 const int64_t b = singles[it / per_req], kh0 = (it % per_req) * hpi;
                 const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, ctx = ctx_lens[b];
                 /* the next item's K/V, spread over this item's calls: QK per tile and head, PV per 4 tokens */
-                prefetcher pf = next_item(it + nt < items ? singles[(it + nt) / per_req] : -1, (it + nt) % per_req,
+                prefetcher pf = next_item(it + 1 < hi ? singles[(it + 1) / per_req] : -1, (it + 1) % per_req,
                                           hpi, Hk, D, sizeof(bf16_t), rows_req, tables, bt_stride, ctx_lens,
                                           block_size, k_cache, v_cache,
                                           (kh1 - kh0) * (((ctx + 15) / 16) * g
@@ -511,6 +528,7 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
         }
         free(scores);
     }
+    free(cost);
     free(runs);
     return failed;
 }

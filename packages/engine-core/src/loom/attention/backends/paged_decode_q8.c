@@ -305,6 +305,8 @@ int paged_decode_q8(const bf16_t *query, int64_t q_stride, const int64_t *rows_q
     if (parts > Hk) parts = Hk;
     if (parts < 1) parts = 1;
     const int64_t hpi = (Hk + parts - 1) / parts, per_req = (Hk + hpi - 1) / hpi, items = B * per_req;
+    int64_t *cost = decode_costs(ctx_lens, NULL, items, per_req, 0, hpi, Hk);
+    if (!cost) return 1;
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
@@ -314,14 +316,16 @@ int paged_decode_q8(const bf16_t *query, int64_t q_stride, const int64_t *rows_q
             _Pragma("omp atomic write") failed = 1;
         } else {
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-            for (int64_t it = tid; it < items; it += nt) {
+            int64_t lo, hi;
+            thread_share(cost, items, nt, tid, &lo, &hi);
+            for (int64_t it = lo; it < hi; it++) {
                 const int64_t b = it / per_req, kh0 = (it % per_req) * hpi;
                 const int64_t kh1 = kh0 + hpi < Hk ? kh0 + hpi : Hk, ctx = ctx_lens[b];
                 /* the next item's K and V rows (from its first code to the row's end, scales
                  * included), spread over this item's calls: Q.K per tile and head, P.V per 4 tokens */
                 prefetcher pf = {.which = 2};
-                if (it + nt < items) {
-                    const int64_t b2 = (it + nt) / per_req, off = ((it + nt) % per_req) * hpi * D;
+                if (it + 1 < hi) {
+                    const int64_t b2 = (it + 1) / per_req, off = ((it + 1) % per_req) * hpi * D;
                     const int64_t lines = 2 * ctx_lens[b2] * ((row - off + 63) / 64);
                     const int64_t calls = (kh1 - kh0) * (((ctx + 15) / 16) * g
                                                          + ((g + 3) / 4) * ((D + 63) / 64) * ((ctx + 3) / 4));
@@ -337,6 +341,7 @@ int paged_decode_q8(const bf16_t *query, int64_t q_stride, const int64_t *rows_q
         }
         free(base);
     }
+    free(cost);
     return failed;
 }
 

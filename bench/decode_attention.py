@@ -1,0 +1,87 @@
+"""A decode step's attention over the paged cache, for batches whose contexts differ.
+
+The default model's heads (9 query heads, 3 KV heads of 64, bf16, blocks of 16 tokens), 30
+layers each with its own K/V cache (as a step reads them, mostly from memory), through the CPU
+paged-decode kernel (``loom.attention.backends.native``, the AVX512-BF16 kernel where the CPU
+has it). Each row: the best of ``--rounds`` passes over the 30 layers, and the nanoseconds a
+token of context costs a layer. Contexts of equal and of mixed lengths, among them long and short
+rows alternating: where the kernel's threads share the rows unevenly, that batch costs more a
+token than a batch of one length.
+
+    python bench/decode_attention.py
+    python bench/decode_attention.py --threads 2 --rounds 30
+
+Random K/V and queries (the time depends on the lengths, not the values). On a shared machine,
+compare figures from the same minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from loom.attention.backends import native
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK, LAYERS = 9, 3, 64, 16, 30
+
+
+def batch(contexts: list[int], g: torch.Generator) -> tuple:
+    """Query rows, tables, contexts and 30 layers' caches for decode rows of these contexts."""
+    blocks = [(c + BLOCK - 1) // BLOCK for c in contexts]
+    order = torch.randperm(sum(blocks), generator=g)  # blocks scattered through the cache
+    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    caches = [tuple(torch.randn(used * BLOCK, KV_HEADS, HEAD_SIZE, generator=g).to(torch.bfloat16)
+                    for _ in range(2)) for _ in range(LAYERS)]
+    query = torch.randn(len(contexts), HEADS * HEAD_SIZE, generator=g).to(torch.bfloat16)
+    rows = torch.arange(len(contexts))
+    return query, rows, caches, tables, torch.tensor(contexts)
+
+
+def best_ms(kernel: native.PagedDecode, data: tuple, rounds: int) -> float:
+    query, rows, caches, tables, ctx = data
+    out = torch.empty_like(query)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for k_cache, v_cache in caches:
+            kernel(query, rows, rows, k_cache, v_cache, tables, ctx, out, num_heads=HEADS, block_size=BLOCK,
+                   scale=HEAD_SIZE**-0.5)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernel = native.paged_decode()
+    if kernel is None:
+        raise SystemExit("the CPU paged-decode kernel did not build here (see the warning above)")
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+    batches = [
+        ("64 rows of 160", [160] * 64),
+        ("64 rows of 128..191", list(range(128, 192))),
+        ("64 rows of 16..640, random", [rng.randint(16, 640) for _ in range(64)]),
+        ("64 rows of 600 and 32, alternating", [600, 32] * 32),
+        ("32 rows of 600", [600] * 32),
+        ("16 rows of 16..640, random", [rng.randint(16, 640) for _ in range(16)]),
+        ("1 row of 2000", [2000]),
+    ]
+    print(f"decode attention, {HEADS}/{KV_HEADS} heads of {HEAD_SIZE}, bf16, {LAYERS} layers, "
+          f"{args.threads} threads, best of {args.rounds}")
+    for name, contexts in batches:
+        ms = best_ms(kernel, batch(contexts, g), args.rounds)
+        per_token = ms * 1e6 / (sum(contexts) * LAYERS)
+        print(f"  {name:36s} {ms:7.2f} ms  {per_token:5.1f} ns a token a layer")
+
+
+if __name__ == "__main__":
+    main()
