@@ -6,7 +6,10 @@
 calls this for each random-shape model, so both engines decode the same tokens from the same
 weights in the same run (``../shared/TOOLCHAIN.md`` has the venv recipe; never install vLLM
 into loom's environment). Greedy, EOS ignored, one warm-up request first, as ``run_loom``.
-Prints ``peer-result {"tok_s": ..., "elapsed": ..., "tokens": ...}`` (vLLM logs to stdout too). Unless the caller
+Prints ``peer-result {"tok_s": ..., "elapsed": ..., "tokens": ...}`` (vLLM logs to stdout too).
+``PROMPTS.json`` may instead hold ``{"workloads": [[[prompt token ids, max_tokens], ...], ...]}``
+(``mixed_lengths.py``): each workload runs in turn on the one engine, each request with its own
+output length (OUTPUT_LEN is then unused), and each prints a ``peer-result`` line. Unless the caller
 set them, vLLM gets both cores (``VLLM_CPU_OMP_THREADS_BIND=0-<n-1>``; its default keeps one
 core off the model) and a 1 GiB KV cache.
 """
@@ -28,15 +31,23 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     with open(prompts_path) as f:
-        prompts = json.load(f)
-    llm = LLM(model=model, dtype=dtype, max_model_len=max(len(prompts[0]) + output_len, 512), seed=0)
-    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:8])], SamplingParams(max_tokens=2), use_tqdm=False)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("peer-result " + json.dumps({"tok_s": tokens / elapsed, "elapsed": elapsed, "tokens": tokens}), flush=True)
+        loaded = json.load(f)
+    if isinstance(loaded, dict):  # several workloads of (prompt, max_tokens) requests
+        workloads = loaded["workloads"]
+    else:
+        workloads = [[(p, output_len) for p in loaded]]
+    longest = max(len(p) + n for w in workloads for p, n in w)
+    llm = LLM(model=model, dtype=dtype, max_model_len=max(longest, 512), seed=0)
+    llm.generate([TokensPrompt(prompt_token_ids=workloads[0][0][0][:8])], SamplingParams(max_tokens=2),
+                 use_tqdm=False)
+    for requests in workloads:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+        start = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p, _ in requests], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print("peer-result " + json.dumps({"tok_s": tokens / elapsed, "elapsed": elapsed, "tokens": tokens}),
+              flush=True)
 
 
 if __name__ == "__main__":
