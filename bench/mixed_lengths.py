@@ -54,16 +54,22 @@ def run_loom(model: str | None, workloads: list[list[Request]], dtype: str) -> l
     return results
 
 
-def run_peer(python: str, model: str, workloads: list[list[Request]], dtype: str, root: str) -> list[tuple[float, int]]:
+def run_peer(python: str, model: str, workloads: list[list[Request]], dtype: str, root: str,
+             timeout: float) -> list[tuple[float, int]] | str:
+    """vLLM's (seconds, output tokens) per workload, or why there are none."""
     path = os.path.join(root, "workloads.json")
     with open(path, "w") as f:
         json.dump({"workloads": workloads}, f)
     script = os.path.join(os.path.dirname(__file__), "peer_vllm.py")
-    done = subprocess.run([python, script, model, path, "0", dtype], capture_output=True, text=True)
+    try:
+        done = subprocess.run([python, script, model, path, "0", dtype], capture_output=True, text=True,
+                              timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"not run to the end: {e}"
     lines = [json.loads(ln.split(" ", 1)[1]) for ln in done.stdout.splitlines() if ln.startswith("peer-result ")]
     if done.returncode != 0 or len(lines) != len(workloads):
         errors = [ln for ln in (done.stdout + done.stderr).splitlines() if "Error" in ln] or ["(no error line)"]
-        raise SystemExit(f"vLLM failed ({done.returncode}): {errors[-1].strip()[-200:]}")
+        return f"failed with {done.returncode}: {errors[-1].strip()[-200:]}"
     return [(r["elapsed"], r["tokens"]) for r in lines]
 
 
@@ -76,7 +82,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--peer-python", default=None, help="vLLM's interpreter (../shared/TOOLCHAIN.md)")
+    parser.add_argument("--peer-timeout", type=float, default=1800, help="seconds vLLM's whole run may take")
     args = parser.parse_args()
+    if args.num_prompts < 1:
+        parser.error("--num-prompts must be at least 1")
+    for flag, (low, high) in (("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if not 1 <= low <= high:
+            parser.error(f"{flag} MIN MAX: need 1 <= MIN <= MAX, not {low} {high}")
     if args.peer_python and args.model == "default":
         parser.error("the peer runs the random-shape models (the default model is a GGUF file): --model smollm2-shape")
     with tempfile.TemporaryDirectory() as root:
@@ -85,8 +97,9 @@ def main() -> None:
         workloads = [workload(args.num_prompts, args.seed + i, vocab, tuple(args.input_len), tuple(args.output_len))
                      for i in (1, 2)]
         engines = {"loom": run_loom(model, workloads, args.dtype)}
-        if args.peer_python:
-            engines["vLLM"] = run_peer(args.peer_python, model, workloads, args.dtype, root)
+        peer = run_peer(args.peer_python, model, workloads, args.dtype, root, args.peer_timeout) if args.peer_python else None
+    if isinstance(peer, list):
+        engines["vLLM"] = peer
     prompt_tokens = [sum(len(p) for p, _ in w) for w in workloads]
     print(f"\n{args.model} ({args.dtype}), {args.num_prompts} requests a workload: prompts of "
           f"{args.input_len[0]}-{args.input_len[1]} tokens, outputs of {args.output_len[0]}-{args.output_len[1]}; "
@@ -96,7 +109,9 @@ def main() -> None:
             print(f"| {name} | {i + 1} | {elapsed:.2f} | {tokens / elapsed:,.0f} | {(tokens + prompt_tokens[i]) / elapsed:,.0f} |")
     if "vLLM" in engines:
         ratios = [p[0] / lo[0] for lo, p in zip(engines["loom"], engines["vLLM"])]
-        print(f"\nloom / vLLM (time ratio, per workload): {', '.join(f'{r:.2f}x' for r in ratios)}")
+        print(f"\nloom's speed over vLLM's (vLLM's seconds / loom's, per workload): {', '.join(f'{r:.2f}x' for r in ratios)}")
+    elif isinstance(peer, str):
+        print(f"\nvLLM: {peer}")
 
 
 if __name__ == "__main__":

@@ -393,7 +393,7 @@ def test_threads_share_the_items_by_their_cost(kernel, nt):
     threads nearly all the K/V to read. Every item is taken once, by one thread, in order."""
     rng = torch.Generator().manual_seed(nt)
     cases = [[616, 48] * 32, [48, 616] * 32, torch.randint(17, 656, (64,), generator=rng).tolist(),
-             [5000] + [20] * 40, [20] * 40 + [5000], [100] * 3, [7], []]
+             [5000] + [20] * 40, [20] * 40 + [5000], [1000] * 8 + [1] * 56, [100] * 3, [7], []]
     for cost in cases:
         shares = _share(kernel, cost, nt)
         taken = [i for lo, hi in shares for i in range(lo, hi)]

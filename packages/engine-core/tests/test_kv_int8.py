@@ -202,7 +202,7 @@ def _problem(heads, kv_heads, head_size, ctx, block_size, seed, extra_rows=3):
     return query, rows_q, rows_req, k_rows, v_rows, tables, ctx_of
 
 
-@pytest.mark.parametrize("nthreads", [1, 2])
+@pytest.mark.parametrize("nthreads", [1, 2, 3])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_size", "ctx"), [
     (9, 3, 64, [1, 15, 16, 17, 160, 700]),  # the default model's heads
     (4, 2, 32, [1, 15, 16, 17, 160, 700]),
