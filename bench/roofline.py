@@ -101,14 +101,12 @@ def model_linears(cfg: Any) -> tuple[list[tuple[str, int, int]], int, int, int]:
     return layer, getattr(cfg, "word_embed_proj_dim", None) or h, cfg.vocab_size, heads * d
 
 
-def kv_bytes_per_token(cfg: Any, dtype: torch.dtype, kv_cache_dtype: str) -> int:
-    """Bytes of one token's K and V in every layer's cache: the model's dtype, or the int8
-    cache's row (codes and scales, ``kv_int8.row_bytes``)."""
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    """Bytes of one token's K and V in every layer's cache (the engine's ``ModelConfig`` gives the
+    shapes): the model's dtype, or the int8 cache's row (codes and scales, ``kv_int8.row_bytes``)."""
+    kv_heads, d = model_config.get_num_kv_heads(), model_config.get_head_size()
     row = kv_int8.row_bytes(kv_heads, d) if kv_cache_dtype == "int8" else kv_heads * d * dtype.itemsize
-    return 2 * cfg.num_hidden_layers * row
+    return 2 * model_config.get_num_layers() * row
 
 
 def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> tuple[float, float]:
@@ -145,7 +143,9 @@ def step_copies(k: int, n: int, step_bytes: int, itemsize: int, at_least: int) -
     return max(at_least, -(-step_bytes // (k * n * itemsize)))
 
 
-def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, budget: int, max_seqs: int) -> dict[str, Any]:
+def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, engine_config: Any) -> dict[str, Any]:
+    budget = engine_config.scheduler_config.max_num_batched_tokens
+    max_seqs = engine_config.scheduler_config.max_num_seqs
     layer, lm_in, vocab, q_dim = model_linears(cfg)
     bias = bool(getattr(cfg, "enable_bias", False) or getattr(cfg, "attention_bias", False))
     P, In, Out, L = args.num_prompts, args.input_len, args.output_len, cfg.num_hidden_layers
@@ -167,7 +167,7 @@ def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, budget: int
     seconds = sum(t_layers[ph] * tokens[ph] / m[ph] + t_lm[ph] * samples[ph] / m_lm[ph] for ph in m)
     decode_contexts = P * sum(In + i for i in range(1, Out))  # the tokens each decode query attends to
     contexts = P * In * (In + 1) // 2 + decode_contexts  # causal context of every query
-    kv_bytes = decode_contexts * kv_bytes_per_token(cfg, dtype, args.kv_cache_dtype)
+    kv_bytes = decode_contexts * kv_bytes_per_token(engine_config.model_config, dtype, args.kv_cache_dtype)
     kv_seconds = kv_bytes / args.bandwidth
     return dict(rows=rows, timed=timed, per_token=per_token, lm_flops=lm_flops, seconds=seconds, tok_s=P * Out / seconds,
                 flops=sum(per_token * tokens[ph] + lm_flops * samples[ph] for ph in m),
@@ -317,8 +317,7 @@ def run_model(name: str, args: argparse.Namespace, root: str) -> tuple[float, di
     loom_tps = tokens / elapsed
     engine = dict(dtype=args.dtype, max_model_len=max(args.input_len + args.output_len, 512),
                   kv_cache_dtype=args.kv_cache_dtype)  # as run_loom's
-    sched = EngineArgs(model=model, **engine).create_engine_config().scheduler_config
-    r = roofline(cfg, getattr(torch, args.dtype), args, sched.max_num_batched_tokens, sched.max_num_seqs)
+    r = roofline(cfg, getattr(torch, args.dtype), args, EngineArgs(model=model, **engine).create_engine_config())
     print(f"\n## {name} ({args.dtype})\n\n| linear (step) | m x k -> n | ms, the faster | GFLOP/s F.linear | "
           "GFLOP/s prepacked |\n|---|---|---|---|---|")
     for lin, ph, m, k, n, (dense, packed) in r["timed"]:
