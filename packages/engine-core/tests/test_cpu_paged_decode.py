@@ -159,6 +159,16 @@ def _mixed_step(g: torch.Generator, block_size: int = 8):
     return _step(g, [1, 5, 1, 4], [20, 13, 9, 4], block_size)
 
 
+def _bf16_mixed_step(seed: int):
+    """``_mixed_step`` (q_lens [1, 5, 1, 4], contexts [20, 13, 9, 4]) with a bf16 cache of 2 KV heads
+    of 64 holding random prefixes, and the step's q (6 heads), k and v."""
+    g = torch.Generator().manual_seed(seed)
+    md, num_blocks = _mixed_step(g)
+    cache = torch.randn(2, num_blocks, md.block_size, 2, 64, generator=g).to(torch.bfloat16)
+    q, k, v = (torch.randn(md.num_tokens, n * 64, generator=g).to(torch.bfloat16) for n in (6, 2, 2))
+    return md, cache, q, k, v
+
+
 def _step(g: torch.Generator, q_lens: list[int], ctx_lens: list[int], block_size: int = 8):
     """A step of requests with these query and context lengths (at most 32 tokens each)."""
     num_blocks, B = 32, len(q_lens)
@@ -214,7 +224,7 @@ def test_fresh_prefills_of_one_length_are_one_call(monkeypatch, q_lens, spans):
     impl._kernel = None
     with torch.inference_mode():  # as a model runs (the gathers' shared workspace may be an inference tensor)
         out = impl.forward(None, q, k, v, cache, md)
-    groups = md.scratch["torch_sdpa_plan_10"].groups
+    groups = md.scratch["torch_sdpa_plan_100"].groups
     assert {grp.length: grp.span for grp in groups} == spans
     starts = md.query_start_loc.tolist()
     for i, n in enumerate(q_lens):
@@ -461,23 +471,21 @@ def test_backend_runs_prefills_through_the_kernel(monkeypatch, max_ctx, amx):
     one and one after a cached prefix) with a context up to KERNEL_PREFILL_MAX_CTX join the
     kernel's query rows, one row per token with its context up to its own position; a longer one,
     and everything but the decodes elsewhere, keeps torch's SDPA. With AMX (``amx``, whatever
-    this CPU has) every prefill chunk keeps SDPA. The step's output equals the all-torch path's."""
+    this CPU has, and the AMX prefill kernel held off) every prefill chunk keeps SDPA. The step's
+    output equals the all-torch path's."""
     monkeypatch.setattr(torch_sdpa, "KERNEL_PREFILL_MAX_CTX", max_ctx)
-    g = torch.Generator().manual_seed(4)
-    md, num_blocks = _mixed_step(g)  # q_lens [1, 5, 1, 4], contexts [20, 13, 9, 4]
     H, Hk, D = 6, 2, 64
-    T, dtype = md.num_tokens, torch.bfloat16
-    cache = torch.randn(2, num_blocks, md.block_size, Hk, D, generator=g).to(dtype)
-    q, k, v = (torch.randn(T, n * D, generator=g).to(dtype) for n in (H, Hk, Hk))
+    md, cache, q, k, v = _bf16_mixed_step(4)
     with_kernel = TorchSDPAImpl(H, D, D**-0.5, Hk)
     monkeypatch.setattr(with_kernel._kernel, "sdpa_prefills_faster", amx)
+    monkeypatch.setattr(with_kernel._kernel, "amx_prefill", False)  # the AMX kernel: test_cpu_prefill_amx.py
     monkeypatch.setattr(with_kernel._kernel, "_takes_prefill", {})
     without = TorchSDPAImpl(H, D, D**-0.5, Hk)
     without._kernel = None
     cache2 = cache.clone()
     out = with_kernel.forward(None, q, k, v, cache, md)
     fast = _has_avx512_bf16() and not amx
-    plan = md.scratch[f"torch_sdpa_plan_0{int(fast)}"]
+    plan = md.scratch[f"torch_sdpa_plan_0{int(fast)}0"]
     by_token = dict(zip(plan.decode.token_idx.tolist(), plan.decode.ctx.tolist()))
     if not fast:
         assert by_token == {0: 20, 6: 9} and len(plan.prefills) == len(plan.groups) == 1

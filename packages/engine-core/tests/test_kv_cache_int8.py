@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loom.attention.backends import kv_int8
+from loom.attention.backends import kv_int8, native
 from loom.attention.backends.torch_sdpa import TorchSDPAImpl
 from loom.attention.backends.torch_sdpa_int8 import TorchSDPAInt8Backend, TorchSDPAInt8Impl
 from loom.config.cache import CacheConfig
@@ -34,11 +34,15 @@ def _kernel_here() -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_step_over_the_int8_cache_tracks_the_dense_cache(dtype):
+def test_a_step_over_the_int8_cache_tracks_the_dense_cache(monkeypatch, dtype):
     """Two decodes, a chunk after a cached prefix and a fresh chunk: the same step over the int8
     cache as over the dense one, within what rounding K/V to 8 bits moves (a fresh chunk attends
     to its own unrounded K/V: there the two agree to the dense backend's own precision); the
-    step's K/V land in the cache as ``quantize_rows`` makes them."""
+    step's K/V land in the cache as ``quantize_rows`` makes them. The dense backend's prefills
+    take torch's SDPA here, as the int8 backend's do (not the AMX kernel, which reads a bf16
+    cache: tests of its own in test_cpu_prefill_amx.py)."""
+    if native.paged_decode() is not None:
+        monkeypatch.setattr(native.paged_decode(), "amx_prefill", False)
     g = torch.Generator().manual_seed(11)
     md, num_blocks = _mixed_step(g)
     dense, int8 = _caches(g, num_blocks, md.block_size, dtype)

@@ -30,7 +30,8 @@ from ...platforms.cpu_features import cpu_flags
 
 logger = init_logger(__name__)
 
-_SOURCES = ("paged_decode.c", "paged_decode_dpbf16.c", "paged_decode_q8.c")  # compiled as one unit, in this order
+_SOURCES = ("paged_decode.c", "paged_decode_dpbf16.c", "paged_decode_q8.c",  # compiled as one unit, in this order
+            "paged_prefill_amx.c")
 _FLAGS = [
     "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
     # let the compiler vectorize float reductions (dot products, sums) across lanes
@@ -41,6 +42,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64,
              _I64, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_float]
 _KV_WRITE_ARGTYPES = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64]
+_PREFILL_ARGTYPES = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _I64,
+                     ctypes.c_int, ctypes.c_float]
 
 tape: list | None = None
 """While a decode step is being captured (``loom.worker.cpu_step_replay``): every compiled
@@ -134,6 +137,12 @@ class PagedDecode:
         self._dp_used.argtypes, self._dp_used.restype = [_I64, _I64, _I64], ctypes.c_int
         self._takes_prefill: dict[tuple[torch.dtype, int, int, int], bool] = {}  # asked by every layer, every step
         self.sdpa_prefills_faster = torch_flash_uses_amx()
+        self._prefill_amx = lib.paged_prefill_amx_bf16
+        self._prefill_amx.argtypes, self._prefill_amx.restype = _PREFILL_ARGTYPES, ctypes.c_int
+        lib.paged_prefill_amx_ready.restype = ctypes.c_int
+        self.amx_prefill = bool(lib.paged_prefill_amx_ready())
+        """Whether ``prefill`` runs here: built for AMX (``paged_prefill_amx.c``) and the tiles granted;
+        cleared by the self-check where its answer disagrees with torch's."""
 
     def supports(self, dtype: torch.dtype, head_size: int) -> bool:
         return dtype in self._fns and head_size % 8 == 0 and head_size <= 256
@@ -153,6 +162,34 @@ class PagedDecode:
             takes = self._takes_prefill[key] = dtype == torch.bfloat16 and not self.sdpa_prefills_faster and bool(
                 self._dp_used(num_heads, num_kv_heads, head_size))
         return takes
+
+    def takes_amx_prefill(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+        """Whether :meth:`prefill` takes chunks of this shape: bf16, head size a multiple of 32 up to 128."""
+        return (self.amx_prefill and dtype == torch.bfloat16 and head_size % 32 == 0 and 0 < head_size <= 128
+                and num_heads % num_kv_heads == 0)
+
+    def prefill(self, query: torch.Tensor, chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                tables: torch.Tensor, out: torch.Tensor, *, num_heads: int, block_size: int, scale: float) -> None:
+        """Write into ``out`` the causal attention of the step's prefill ``chunks`` on AMX tiles
+        (``paged_prefill_amx.c``): (n, 4) int64 rows of (first query row, tokens, context, row of
+        ``tables``), a chunk's query rows the last ``tokens`` positions of its context, whose K/V
+        (its own included) are in the cache. Other layouts as in :meth:`__call__`."""
+        _, hk, d = k_cache.shape
+        if not (query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
+                and query.stride(1) == out.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and tables.stride(1) == 1 and chunks.dtype == torch.int64 and chunks.is_contiguous()
+                and chunks.dim() == 2 and chunks.shape[1] == 4):
+            raise ValueError("paged_prefill_amx: dtypes or strides do not match the kernel's layout")
+        rc = call(self._prefill_amx, query.data_ptr(), query.stride(0), chunks.data_ptr(), chunks.shape[0],
+                  k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), out.data_ptr(),
+                  out.stride(0), num_heads, hk, d, block_size, torch.get_num_threads(), scale)
+        if rc == 2:
+            raise ValueError(f"paged_prefill_amx: head size {d} is not a multiple of 32 up to 128, or {num_heads} "
+                             f"heads are not a multiple of {hk} KV heads")
+        if rc == 3:
+            raise RuntimeError("paged_prefill_amx: this build has no AMX kernel, or Linux refused the tiles")
+        if rc:
+            raise MemoryError("the CPU AMX prefill kernel could not allocate its scratch memory")
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k_rows: torch.Tensor,
                  v_rows: torch.Tensor) -> bool:
@@ -253,6 +290,27 @@ def _self_check(kernel: PagedDecode) -> None:
     if not torch.allclose(out[rows_q].float(), want, atol=2e-2, rtol=2e-2):
         raise NativeKernelError(f"the compiled kernel disagrees with torch in bf16 with head size {d} "
                                 f"(max error {(out[rows_q].float() - want).abs().max():.3g})")
+    if kernel.amx_prefill:
+        _check_amx_prefill(kernel, g)
+
+
+def _check_amx_prefill(kernel: PagedDecode, g: torch.Generator) -> None:
+    """Two prefill chunks (one after a cached prefix) on AMX tiles against the decode kernel's rows
+    (already checked against torch): where they disagree, prefills keep their other paths."""
+    h, hk, d, bs = 4, 2, 32, 4
+    tables = torch.randperm(12, generator=g).view(3, 4)
+    k_cache, v_cache = (torch.randn(12 * bs, hk, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(8, h * d, generator=g).to(torch.bfloat16)
+    chunks = torch.tensor([[0, 5, 5, 2], [5, 3, 11, 0]])  # 5 fresh tokens; 3 after 8 cached
+    out = torch.zeros(8, h * d, dtype=torch.bfloat16)
+    kernel.prefill(query, chunks, k_cache, v_cache, tables, out, num_heads=h, block_size=bs, scale=d**-0.5)
+    want = torch.zeros_like(out)
+    kernel(query, torch.arange(8), torch.tensor([2] * 5 + [0] * 3), k_cache, v_cache, tables,
+           torch.tensor([1, 2, 3, 4, 5, 9, 10, 11]), want, num_heads=h, block_size=bs, scale=d**-0.5)
+    if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
+        kernel.amx_prefill = False
+        logger.warning("The CPU AMX prefill kernel disagrees with the decode kernel (max error %.3g); prefill "
+                       "attention keeps torch's SDPA", (out.float() - want.float()).abs().max().item())
 
 
 @functools.cache

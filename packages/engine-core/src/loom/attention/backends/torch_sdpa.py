@@ -8,9 +8,12 @@ tables. Where the kernel's AVX512-BF16 path runs (bf16, head size a multiple of 
 flash kernel has no AMX tiles to run on (``PagedDecode.takes_prefill``), prefill chunks whose
 context is at most ``KERNEL_PREFILL_MAX_CTX`` go through it too, each token a
 query over the positions up to its own (causal by construction, a cached prefix included; the
-kernel shares each K/V tile among 16 such rows). Other prefill chunks with no cached prefix run
-batched, one causal SDPA call per chunk length; a chunk after a cached prefix runs alone, masked
-over the prefix plus the chunk.
+kernel shares each K/V tile among 16 such rows). Where the compiled kernels have AMX tiles
+(``PagedDecode.takes_amx_prefill``: bf16, head size a multiple of 32 up to 128), every prefill
+chunk whose context is at most ``KERNEL_PREFILL_MAX_CTX`` runs in one call per layer of
+``paged_prefill_amx.c`` over the paged cache, a cached prefix included. Other prefill chunks with
+no cached prefix run batched, one causal SDPA call per chunk length; a chunk after a cached
+prefix runs alone, masked over the prefix plus the chunk.
 Plans are built once per step and shared by all layers.
 """
 
@@ -26,8 +29,13 @@ from loom_plugin_api import AttentionBackend, AttentionImpl, AttentionMetadata
 from . import native
 
 KERNEL_PREFILL_MAX_CTX = 4096
-"""Prefill chunks up to this context run through the AVX512-BF16 kernel. Per layer of the default
-model it beat torch's flash kernel at every length measured up to 4,096 tokens (139 vs 148 ms for
+"""Prefill chunks up to this context run through the AMX kernel where it runs, else the
+AVX512-BF16 kernel where that one takes prefills. The AMX kernel against torch's flash kernel
+(itself on AMX), per layer of the default model (2026-12-06, 2 cores of a Xeon with AMX): 16
+prompts of 128 tokens 0.40 vs 1.33 ms, 8 prompts of 36-510 1.33 vs 4.81, one of 1,000 1.22 vs
+2.59, 512 after 1,536 cached 1.98 vs 4.34, one of 4,096 17.7 vs 26.4, one of 8,192 98 vs 100
+(its rows' scores and laid-out K/V outgrow L2 there). The AVX512-BF16 kernel, per layer of the
+default model: it beat torch's flash kernel at every length measured up to 4,096 tokens (139 vs 148 ms for
 one prompt of 4,096, 2.5 vs 6.1 for 16 of 128; 2026-12-05), and a review measured it slower at
 8,192 (706-792 vs 632-671 ms): each row reads its whole context, so past a few thousand tokens
 the flash kernel's blocking wins."""
@@ -67,6 +75,7 @@ class _Plan:
     decode: _DecodePlan | None
     prefills: list[_PrefillItem]  # chunks that attend to a cached prefix, one call each
     groups: list[_PrefillGroup]
+    amx: torch.Tensor | None = None  # (n, 4) prefill chunks for the AMX kernel: first row, tokens, context, request
 
 
 # Gathered K/V of a step are tens of MB: a fresh allocation of that size is an mmap whose
@@ -109,11 +118,14 @@ def _group_rows(t: torch.Tensor, grp: _PrefillGroup) -> torch.Tensor:
     return t[grp.span[0]:grp.span[1]] if grp.span is not None else t.index_select(0, grp.tokens)
 
 
-def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill: bool = False) -> _Plan:
+def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill: bool = False,
+               amx_prefill: bool = False) -> _Plan:
     """Gather indices and masks for this step (computed once, reused by every layer); the
     decode requests' gather indices only when ``gather_decode`` (no native kernel). With
-    ``kernel_prefill`` the prefill chunks up to ``KERNEL_PREFILL_MAX_CTX`` join the kernel's query rows."""
-    key = f"torch_sdpa_plan_{int(gather_decode)}{int(kernel_prefill)}"
+    ``kernel_prefill`` the prefill chunks up to ``KERNEL_PREFILL_MAX_CTX`` join the kernel's query
+    rows; with ``amx_prefill`` (which takes precedence) they go to the AMX kernel as chunks."""
+    kernel_prefill = kernel_prefill and not amx_prefill
+    key = f"torch_sdpa_plan_{int(gather_decode)}{int(kernel_prefill)}{int(amx_prefill)}"
     plan = md.scratch.get(key)
     if plan is not None:
         return plan
@@ -148,6 +160,9 @@ def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill
             decode.slots = torch.gather(tables, 1, pos_c // bs) * bs + pos_c % bs
             decode.mask = valid[:, None, None, :]
     in_kernel = set(kernel_rows)
+    amx_rows = [i for i, q in enumerate(q_lens)
+                if amx_prefill and q > 1 and seq_lens[i] <= KERNEL_PREFILL_MAX_CTX]
+    in_kernel.update(amx_rows)
     prefills = []
     by_length: dict[int, list[int]] = {}
     for i, q in enumerate(q_lens):
@@ -165,7 +180,8 @@ def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill
     groups = [_PrefillGroup(q, (torch.tensor(first).unsqueeze(1) + torch.arange(q)).reshape(-1),
                             (first[0], first[0] + q * len(first)) if _one_run(first, q) else None)
               for q, first in by_length.items()]
-    plan = _Plan(decode, prefills, groups)
+    amx = torch.tensor([[starts[i], q_lens[i], seq_lens[i], i] for i in amx_rows]) if amx_rows else None
+    plan = _Plan(decode, prefills, groups, amx)
     md.scratch[key] = plan
     return plan
 
@@ -216,6 +232,11 @@ class TorchSDPAImpl(AttentionImpl):
         kernel = self._kernel_for(dtype)
         return kernel is not None and kernel.takes_prefill(dtype, self.num_heads, self.num_kv_heads, self.head_size)
 
+    def _takes_amx_prefill(self, dtype: torch.dtype) -> bool:
+        kernel = self._kernel_for(dtype)
+        return kernel is not None and kernel.takes_amx_prefill(dtype, self.num_heads, self.num_kv_heads,
+                                                               self.head_size)
+
     def forward(
         self,
         layer: torch.nn.Module,
@@ -229,8 +250,9 @@ class TorchSDPAImpl(AttentionImpl):
         H, Hk, D, g = self.num_heads, self.num_kv_heads, self.head_size, self.group
         self._write(key.reshape(T, Hk * D), value.reshape(T, Hk * D), kv_cache, attn_metadata)
         in_kernel = self.decodes_in_kernel(query.dtype)
+        amx = in_kernel and self._takes_amx_prefill(query.dtype)
         plan = build_plan(attn_metadata, gather_decode=not in_kernel,
-                          kernel_prefill=in_kernel and self._takes_prefill(query.dtype))
+                          kernel_prefill=in_kernel and not amx and self._takes_prefill(query.dtype), amx_prefill=amx)
         if query.stride(-1) != 1:
             query = query.contiguous()
         q = query.view(T, H, D)
@@ -246,6 +268,10 @@ class TorchSDPAImpl(AttentionImpl):
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # (Bd, Hk, ctx, D)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
             out[d.token_idx] = od.reshape(Bd, H, D)
+        if plan.amx is not None:
+            self._kernel.prefill(query, plan.amx, kv_cache[0].view(-1, Hk, D), kv_cache[1].view(-1, Hk, D),
+                                 attn_metadata.block_tables, out.view(T, H * D), num_heads=H,
+                                 block_size=attn_metadata.block_size, scale=self.scale)
         # 4-D inputs take torch's flash kernel on CPU (3-D ones do not: about 2x slower); it
         # handles GQA itself (enable_gqa), so K/V are not repeated per query head.
         gqa = g > 1

@@ -32,6 +32,9 @@ class TorchSDPAInt8Impl(TorchSDPAImpl):
     def _takes_prefill(self, dtype: torch.dtype) -> bool:
         return False  # the int8 kernel takes decode rows only
 
+    def _takes_amx_prefill(self, dtype: torch.dtype) -> bool:
+        return False  # the AMX kernel reads a bf16 cache
+
     def _write(self, key_rows: torch.Tensor, value_rows: torch.Tensor, kv_cache: torch.Tensor,
                md: AttentionMetadata) -> None:
         rows = kv_cache.view(2, -1, self._row)

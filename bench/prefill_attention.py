@@ -1,0 +1,107 @@
+"""A prefill step's attention, through the CPU torch-SDPA backend, with and without the AMX kernel.
+
+The default model's heads (9 query heads, 3 KV heads of 64, bf16, blocks of 16 tokens). Each
+case is one step's prefill chunks (fresh prompts, or a chunk after a cached prefix); the
+backend's ``forward`` (writing the chunks' K/V into the cache, then attending) runs with the
+AMX prefill kernel (``paged_prefill_amx.c``) and without it (torch's flash kernel, one call per
+chunk length, or per chunk after a prefix over its gathered K/V), alternated; each figure is
+the median of ``--rounds`` rounds, ms a layer.
+
+    python bench/prefill_attention.py
+    python bench/prefill_attention.py --rounds 15 --threads 2
+
+Random K/V and queries (the time depends on the lengths, not the values). Runs where the AMX
+kernel does (a CPU with AMX-BF16); on a shared machine, compare figures from the same minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+from loom.attention.backends import native
+from loom.attention.backends.torch_sdpa import TorchSDPAImpl
+from loom_plugin_api import AttentionMetadata
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16
+
+
+def step(chunks: list[tuple[int, int]], g: torch.Generator) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and a bf16 cache for one step of (tokens, cached prefix) chunks, blocks scattered."""
+    ctx = [t + p for t, p in chunks]
+    blocks = [(c + BLOCK - 1) // BLOCK for c in ctx]
+    order = torch.randperm(sum(blocks), generator=g)
+    tables = torch.zeros(len(chunks), max(blocks), dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    q_lens = [t for t, _ in chunks]
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    positions = torch.cat([torch.arange(p, p + t) for t, p in chunks])
+    req = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens))
+    md = AttentionMetadata(
+        num_reqs=len(chunks), num_tokens=int(starts[-1]), query_start_loc=starts, seq_lens=torch.tensor(ctx),
+        query_lens=q_lens, seq_lens_list=ctx, max_query_len=max(q_lens), max_seq_len=max(ctx),
+        block_tables=tables, slot_mapping=tables[req, positions // BLOCK] * BLOCK + positions % BLOCK,
+        block_size=BLOCK)
+    cache = torch.randn(2, used, BLOCK, KV_HEADS, HEAD_SIZE, generator=g).to(torch.bfloat16)
+    return md, cache
+
+
+def time_case(impl: TorchSDPAImpl, kernel: native.PagedDecode, chunks: list[tuple[int, int]], rounds: int,
+              g: torch.Generator) -> tuple[float, float]:
+    md, cache = step(chunks, g)
+    T = md.num_tokens
+    q, k, v = (torch.randn(T, n * HEAD_SIZE, generator=g).to(torch.bfloat16) for n in (HEADS, KV_HEADS, KV_HEADS))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for amx in (True, False):
+                kernel.amx_prefill = amx
+                md.scratch.clear()
+                impl.forward(None, q, k, v, cache, md)  # the step's plan (built once for all layers), warm-up
+                start = time.perf_counter()
+                for _ in range(5):
+                    impl.forward(None, q, k, v, cache, md)
+                times[amx].append((time.perf_counter() - start) / 5 * 1e3)
+    kernel.amx_prefill = True
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernel = native.paged_decode()
+    if kernel is None or not kernel.takes_amx_prefill(torch.bfloat16, HEADS, KV_HEADS, HEAD_SIZE):
+        sys.exit("the AMX prefill kernel does not run here (it needs a CPU with AMX-BF16 and a C compiler)")
+    impl = TorchSDPAImpl(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
+    rng = random.Random(0)
+    mixed = [(rng.randint(16, 512), 0) for _ in range(8)]
+    cases = {
+        "16 prompts of 128": [(128, 0)] * 16,
+        f"8 prompts of 16-512 ({sum(t for t, _ in mixed):,} tokens)": mixed,
+        "one prompt of 1,000": [(1000, 0)],
+        "512 tokens after 1,536 cached": [(512, 1536)],
+        "one prompt of 4,096": [(4096, 0)],
+    }
+    g = torch.Generator().manual_seed(0)
+    print(f"{torch.get_num_threads()} threads, {HEADS}/{KV_HEADS} heads of {HEAD_SIZE}, bf16, median of "
+          f"{args.rounds} rounds\n\n| step's prefill chunks | AMX kernel ms | torch SDPA ms | SDPA / AMX |\n|---|---|---|---|")
+    for name, chunks in cases.items():
+        amx, sdpa = time_case(impl, kernel, chunks, args.rounds, g)
+        print(f"| {name} | {amx:.2f} | {sdpa:.2f} | {sdpa / amx:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
