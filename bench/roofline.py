@@ -78,7 +78,7 @@ SPLIT = {("sampling", "GEMMs"): "embedding & LM head"}
 OPS = [
     (re.compile(r"addmm|::mm$|::bmm$|::linear$|::matmul$|mkldnn|onednn"), "GEMMs"),
     (re.compile(r"q4_linear|q8_linear|qa_linear"), "GEMMs"),  # the CPU kernels of weights kept quantized
-    (re.compile(r"scaled_dot_product|flash_attention|index_copy|paged_decode|kv_write"), "attention"),
+    (re.compile(r"scaled_dot_product|flash_attention|index_copy|paged_decode|paged_prefill|kv_write"), "attention"),
     (re.compile(r"rotary"), "rotary embedding"),
     (re.compile(r"layer_norm|rms_norm|gelu|silu|relu"), "norms & activations"),
     (re.compile(r"::embedding"), "embedding & LM head"),
@@ -216,14 +216,18 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         with record_function("sampling"):
             return greedy(*a, **kw)
 
-    # The CPU decode kernel is a ctypes call, no aten op: give it a name, or its time would
-    # count as the attention scope's own Python.
+    # The CPU attention kernels are ctypes calls, no aten ops: give them names, or their time
+    # would count as the attention scope's own Python.
     kernel_cls = native.PagedDecode
-    kernel_call = kernel_cls.__call__
+    kernel_call, prefill_call = kernel_cls.__call__, kernel_cls.prefill
 
     def named_kernel(*a: Any, **kw: Any) -> Any:
         with record_function("loom::paged_decode"):
             return kernel_call(*a, **kw)
+
+    def named_prefill(*a: Any, **kw: Any) -> Any:
+        with record_function("loom::paged_prefill_amx"):
+            return prefill_call(*a, **kw)
 
     # Likewise the CPU platform's fused kernels behind the ops' forward_cpu (looked up per call).
     installed = dict(custom_op.kernel_registry)
@@ -245,7 +249,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
             return fn(*a, **kw)
 
     if modules:
-        kernel_cls.__call__ = named_kernel
+        kernel_cls.__call__, kernel_cls.prefill = named_kernel, named_prefill
         cpu_step_replay._Tape.__call__ = named_tape
         for name, fn in installed.items():
             custom_op.kernel_registry[name] = functools.partial(named, f"loom::{name}", fn)
@@ -263,7 +267,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         for h in handles:
             h.remove()
         del core.step, executor.execute_model, runner.model.logits_processor.greedy_token_ids
-        kernel_cls.__call__ = kernel_call
+        kernel_cls.__call__, kernel_cls.prefill = kernel_call, prefill_call
         cpu_step_replay._Tape.__call__ = tape_call
         custom_op.kernel_registry.update(installed)
     return undo

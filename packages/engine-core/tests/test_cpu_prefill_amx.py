@@ -4,6 +4,9 @@ these tests run, and a build that loses the kernel there fails ``test_ready_wher
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import pytest
 import torch
 from loom.attention.backends import native, torch_sdpa
@@ -92,10 +95,11 @@ def test_large_scores_and_uniform_rows(kernel):
     """Scores far from zero (softmax shifted by each row's own max, never overflowing) and rows
     whose keys are all equal (the output is V's mean over the row's context)."""
     h, hk, d, bs = 4, 2, 64, 16
+    g = torch.Generator().manual_seed(7)
     tables = torch.arange(8).view(1, 8)
-    k_cache = torch.randn(128, hk, d).to(torch.bfloat16) * 30
-    v_cache = torch.randn(128, hk, d).to(torch.bfloat16)
-    query = torch.randn(40, h * d).to(torch.bfloat16) * 30
+    k_cache = torch.randn(128, hk, d, generator=g).to(torch.bfloat16) * 30
+    v_cache = torch.randn(128, hk, d, generator=g).to(torch.bfloat16)
+    query = torch.randn(40, h * d, generator=g).to(torch.bfloat16) * 30
     chunks = torch.tensor([[0, 40, 100, 0]])
     out = torch.empty(40, h * d, dtype=torch.bfloat16)
     kernel.prefill(query, chunks, k_cache, v_cache, tables, out, num_heads=h, block_size=bs, scale=d**-0.5)
@@ -107,6 +111,29 @@ def test_large_scores_and_uniform_rows(kernel):
     mean = torch.stack([v_cache[:61 + i].double().mean(0).repeat_interleave(2, dim=0).reshape(-1)
                         for i in range(40)])
     torch.testing.assert_close(out.double(), mean, atol=1e-2, rtol=1e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("fault", ["raises", "wrong"])
+def test_self_check_turns_the_kernel_off_where_it_fails(kernel, caplog, fault):
+    """A kernel that fails or answers wrong in the self-check is turned off, with a warning, and the
+    backend keeps its other prefill paths; the decode kernel stays."""
+    broken = copy.copy(kernel)
+
+    def prefill(query, chunks, k_cache, v_cache, tables, out, **kw):
+        if fault == "raises":
+            raise MemoryError("the CPU AMX prefill kernel could not allocate its scratch memory")
+        kernel.prefill(query, chunks, k_cache, v_cache, tables, out, **kw)
+        out[-1] += 1  # the last row of the long chunk
+
+    broken.prefill = prefill
+    with caplog.at_level(logging.WARNING):
+        native._check_amx_prefill(broken, torch.Generator().manual_seed(0))
+    assert not broken.amx_prefill and not broken.takes_amx_prefill(torch.bfloat16, 9, 3, 64)
+    assert "prefill attention keeps torch's SDPA" in caplog.text
+    assert kernel.amx_prefill  # the shared kernel as it was
+    native._check_amx_prefill(kernel, torch.Generator().manual_seed(0))  # the real one passes its own check
+    assert kernel.amx_prefill
 
 
 def test_rejects_what_it_does_not_take(kernel):

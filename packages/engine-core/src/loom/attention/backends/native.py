@@ -177,7 +177,8 @@ class PagedDecode:
         _, hk, d = k_cache.shape
         if not (query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
                 and query.stride(1) == out.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-                and tables.stride(1) == 1 and chunks.dtype == torch.int64 and chunks.is_contiguous()
+                and tables.dtype == torch.int64 and tables.stride(1) == 1 and chunks.dtype == torch.int64
+                and chunks.is_contiguous()
                 and chunks.dim() == 2 and chunks.shape[1] == 4):
             raise ValueError("paged_prefill_amx: dtypes or strides do not match the kernel's layout")
         rc = call(self._prefill_amx, query.data_ptr(), query.stride(0), chunks.data_ptr(), chunks.shape[0],
@@ -223,7 +224,8 @@ class PagedDecode:
         fn = self._fns[query.dtype]
         _, hk, d = k_cache.shape
         if not (query.dtype == k_cache.dtype == v_cache.dtype == out.dtype and query.stride(1) == out.stride(1) == 1
-                and k_cache.is_contiguous() and v_cache.is_contiguous() and tables.stride(1) == 1
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and tables.dtype == torch.int64
+                and tables.stride(1) == 1
                 and all(t.dtype == torch.int64 and t.is_contiguous() for t in (rows_q, rows_req, ctx_lens))):
             raise ValueError("paged_decode: dtypes or strides do not match the kernel's layout")
         rc = call(fn, query.data_ptr(), query.stride(0), rows_q.data_ptr(), rows_req.data_ptr(),
@@ -295,18 +297,26 @@ def _self_check(kernel: PagedDecode) -> None:
 
 
 def _check_amx_prefill(kernel: PagedDecode, g: torch.Generator) -> None:
-    """Two prefill chunks (one after a cached prefix) on AMX tiles against the decode kernel's rows
-    (already checked against torch): where they disagree, prefills keep their other paths."""
-    h, hk, d, bs = 4, 2, 32, 4
-    tables = torch.randperm(12, generator=g).view(3, 4)
-    k_cache, v_cache = (torch.randn(12 * bs, hk, d, generator=g).to(torch.bfloat16) for _ in range(2))
-    query = torch.randn(8, h * d, generator=g).to(torch.bfloat16)
-    chunks = torch.tensor([[0, 5, 5, 2], [5, 3, 11, 0]])  # 5 fresh tokens; 3 after 8 cached
-    out = torch.zeros(8, h * d, dtype=torch.bfloat16)
-    kernel.prefill(query, chunks, k_cache, v_cache, tables, out, num_heads=h, block_size=bs, scale=d**-0.5)
-    want = torch.zeros_like(out)
-    kernel(query, torch.arange(8), torch.tensor([2] * 5 + [0] * 3), k_cache, v_cache, tables,
-           torch.tensor([1, 2, 3, 4, 5, 9, 10, 11]), want, num_heads=h, block_size=bs, scale=d**-0.5)
+    """Prefill chunks on AMX tiles against the decode kernel's rows (already checked against torch):
+    a partial 16-row block, whole blocks read from the step's rows in place, two key blocks at a
+    time and every tile of a head of 128. Where they disagree, or the call fails, prefills keep
+    their other paths."""
+    h, hk, d, bs = 4, 2, 128, 8
+    tables = torch.randperm(24, generator=g).view(3, 8)
+    k_cache, v_cache = (torch.randn(24 * bs, hk, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(43, h * d + 8, generator=g).to(torch.bfloat16)[:, : h * d]  # strided, as a qkv split
+    chunks = torch.tensor([[0, 5, 5, 2], [5, 38, 58, 0]])  # 5 fresh tokens; 38 after 20 cached
+    ctx = torch.cat([torch.arange(1, 6), torch.arange(21, 59)])
+    rows_req = torch.tensor([2] * 5 + [0] * 38)
+    out, want = torch.zeros(43, h * d, dtype=torch.bfloat16), torch.zeros(43, h * d, dtype=torch.bfloat16)
+    try:
+        kernel.prefill(query, chunks, k_cache, v_cache, tables, out, num_heads=h, block_size=bs, scale=d**-0.5)
+    except (RuntimeError, ValueError, MemoryError) as e:
+        kernel.amx_prefill = False
+        logger.warning("The CPU AMX prefill kernel failed its self-check (%s); prefill attention keeps torch's SDPA", e)
+        return
+    kernel(query, torch.arange(43), rows_req, k_cache, v_cache, tables, ctx, want, num_heads=h, block_size=bs,
+           scale=d**-0.5)
     if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
         kernel.amx_prefill = False
         logger.warning("The CPU AMX prefill kernel disagrees with the decode kernel (max error %.3g); prefill "

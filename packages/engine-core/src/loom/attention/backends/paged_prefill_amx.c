@@ -21,19 +21,21 @@
  * degree-4 polynomial and `vscalefps`: the decode kernels' exp took a quarter more time here for
  * precision that the bf16 probabilities drop), the probabilities rounded to bf16 (the keys past
  * a row's position zero); P . V on tiles, 64 elements of D at a time; the sums divided by the
- * row's softmax sum. Rows compute whole key blocks, so beyond the causal triangle a block costs
- * at most 15 keys of waste per row (torch's flash kernel computes whole key blocks too).
+ * row's softmax sum. A block of 16 rows computes the scores of every key its last row sees (16
+ * keys a tile) and P . V over them rounded up to 32, so its first row spends up to 46 keys past its
+ * own position (masked to zero probability; torch's flash kernel computes whole key blocks too).
  *
  * Measured 2026-12-06 on 2 cores of a Xeon with AMX, the default model's heads (9 / 3 of 64),
- * ms a layer, against torch 2.13's flash kernel (on AMX too) as the backend called it: 16
+ * ms a layer, this kernel alone (ctypes, no K/V write) against torch 2.13's flash kernel (on AMX
+ * too) as the backend called it; bench/prefill_attention.py times both through the backend: 16
  * prompts of 128 tokens 0.40 vs 1.33; 8 prompts of 36-510 (2,461 tokens, one flash call per
  * length) 1.33 vs 4.81; one of 1,000 1.22 vs 2.59; 512 after 1,536 cached 1.98 vs 4.34 (flash on
  * K/V gathered and masked); one of 4,096 17.7 vs 26.4; one of 8,192 98 vs 100 (a row's scores
  * and the laid-out K/V outgrow L2).
  *
  * Built where the compiler targets AMX-TILE, AMX-BF16 and AVX512-BF16 (-march=native on such a
- * CPU) and D is a multiple of 32 up to 128; elsewhere paged_prefill_amx_ready() is 0 and the
- * backend keeps its other prefill paths. Linux hands the tile registers to a process that asks
+ * CPU); elsewhere paged_prefill_amx_ready() is 0 and the backend keeps its other prefill paths,
+ * as it does for head sizes other than multiples of 32 up to 128 (the call answers 2 for those). Linux hands the tile registers to a process that asks
  * (arch_prctl), asked once at the first paged_prefill_amx_ready() call.
  */
 

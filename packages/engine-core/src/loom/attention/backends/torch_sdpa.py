@@ -30,8 +30,9 @@ from . import native
 
 KERNEL_PREFILL_MAX_CTX = 4096
 """Prefill chunks up to this context run through the AMX kernel where it runs, else the
-AVX512-BF16 kernel where that one takes prefills. The AMX kernel against torch's flash kernel
-(itself on AMX), per layer of the default model (2026-12-06, 2 cores of a Xeon with AMX): 16
+AVX512-BF16 kernel where that one takes prefills. The AMX kernel alone against torch's flash
+kernel (itself on AMX) as this backend calls it, per layer of the default model (2026-12-06, 2
+cores of a Xeon with AMX; ``bench/prefill_attention.py`` times both through the backend): 16
 prompts of 128 tokens 0.40 vs 1.33 ms, 8 prompts of 36-510 1.33 vs 4.81, one of 1,000 1.22 vs
 2.59, 512 after 1,536 cached 1.98 vs 4.34, one of 4,096 17.7 vs 26.4, one of 8,192 98 vs 100
 (its rows' scores and laid-out K/V outgrow L2 there). The AVX512-BF16 kernel, per layer of the
