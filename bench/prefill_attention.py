@@ -94,6 +94,8 @@ def main() -> None:
         "one prompt of 1,000": [(1000, 0)],
         "512 tokens after 1,536 cached": [(512, 1536)],
         "one prompt of 4,096": [(4096, 0)],
+        "2,048 tokens after 6,144 cached": [(2048, 6144)],
+        "one prompt of 8,192": [(8192, 0)],
     }
     g = torch.Generator().manual_seed(0)
     print(f"{torch.get_num_threads()} threads, {HEADS}/{KV_HEADS} heads of {HEAD_SIZE}, bf16, median of "

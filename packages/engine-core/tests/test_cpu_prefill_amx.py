@@ -91,6 +91,33 @@ def test_chunks_against_torch(kernel, monkeypatch, heads, kv_heads, head_size, b
 
 
 @needs_amx
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_long_contexts(kernel, monkeypatch, nthreads):
+    """Contexts of thousands of keys (the kernel takes a row's keys in passes of 1,024, its softmax
+    carried from pass to pass): a long fresh prompt, chunks after long cached prefixes, 16-row
+    blocks whose rows end on both sides of a pass's last key."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: nthreads)
+    g = torch.Generator().manual_seed(8)
+    heads, kv_heads, head_size, block_size = 6, 2, 64, 16
+    spec = [(1100, 0), (3, 1100), (300, 1000), (33, 2100), (130, 1010)]  # (tokens, cached prefix)
+    nblk = 2200 // block_size
+    tables = torch.randperm(len(spec) * nblk, generator=g).view(len(spec), nblk)
+    k_cache, v_cache = (torch.randn(tables.numel() * block_size, kv_heads, head_size, generator=g)
+                        .to(torch.bfloat16) for _ in range(2))
+    rows, first = [], 0
+    for r, (tokens, prefix) in enumerate(spec):
+        rows.append([first, tokens, tokens + prefix, r])
+        first += tokens
+    query = torch.randn(first, heads * head_size, generator=g).to(torch.bfloat16)
+    out = torch.empty(first, heads * head_size, dtype=torch.bfloat16)
+    chunks = torch.tensor(rows)
+    kernel.prefill(query, chunks, k_cache, v_cache, tables, out, num_heads=heads, block_size=block_size,
+                   scale=head_size**-0.5)
+    for f, want in _reference(query, chunks, k_cache, v_cache, tables, heads, block_size, head_size**-0.5).items():
+        torch.testing.assert_close(out[f:f + want.shape[0]].double(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
+@needs_amx
 def test_large_scores_and_uniform_rows(kernel):
     """Scores far from zero (softmax shifted by each row's own max, never overflowing) and rows
     whose keys are all equal (the output is V's mean over the row's context)."""
@@ -152,12 +179,12 @@ def test_rejects_what_it_does_not_take(kernel):
 
 
 @needs_amx
-@pytest.mark.parametrize("max_ctx", [4096, 12])
+@pytest.mark.parametrize("max_ctx", [8192, 12])
 def test_backend_sends_prefill_chunks_to_the_amx_kernel(kernel, monkeypatch, max_ctx):
-    """bf16 with the AMX kernel: every prefill chunk up to KERNEL_PREFILL_MAX_CTX (fresh, or after a
+    """bf16 with the AMX kernel: every prefill chunk up to AMX_PREFILL_MAX_CTX (fresh, or after a
     cached prefix) goes to it in one call, decodes to the decode kernel, a longer chunk to torch's
     SDPA; the step's output equals the all-torch path's."""
-    monkeypatch.setattr(torch_sdpa, "KERNEL_PREFILL_MAX_CTX", max_ctx)
+    monkeypatch.setattr(torch_sdpa, "AMX_PREFILL_MAX_CTX", max_ctx)
     H, Hk, D = 6, 2, 64
     md, cache, q, k, v = _bf16_mixed_step(6)  # q_lens [1, 5, 1, 4], contexts [20, 13, 9, 4]
     with_kernel = TorchSDPAImpl(H, D, D**-0.5, Hk)
@@ -167,7 +194,7 @@ def test_backend_sends_prefill_chunks_to_the_amx_kernel(kernel, monkeypatch, max
     out = with_kernel.forward(None, q, k, v, cache, md)
     plan = md.scratch["torch_sdpa_plan_001"]
     assert plan.decode.token_idx.tolist() == [0, 6]
-    if max_ctx == 4096:
+    if max_ctx == 8192:
         assert plan.amx.tolist() == [[1, 5, 13, 1], [7, 4, 4, 3]] and not plan.prefills and not plan.groups
     else:  # the chunk after an 8-token prefix reaches 13 > 12: torch SDPA
         assert plan.amx.tolist() == [[7, 4, 4, 3]] and len(plan.prefills) == 1 and not plan.groups

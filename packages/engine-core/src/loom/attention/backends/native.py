@@ -299,28 +299,33 @@ def _self_check(kernel: PagedDecode) -> None:
 def _check_amx_prefill(kernel: PagedDecode, g: torch.Generator) -> None:
     """Prefill chunks on AMX tiles against the decode kernel's rows (already checked against torch):
     a partial 16-row block, whole blocks read from the step's rows in place, two key blocks at a
-    time and every tile of a head of 128. Where they disagree, or the call fails, prefills keep
-    their other paths."""
-    h, hk, d, bs = 4, 2, 128, 8
-    tables = torch.randperm(24, generator=g).view(3, 8)
-    k_cache, v_cache = (torch.randn(24 * bs, hk, d, generator=g).to(torch.bfloat16) for _ in range(2))
-    query = torch.randn(43, h * d + 8, generator=g).to(torch.bfloat16)[:, : h * d]  # strided, as a qkv split
-    chunks = torch.tensor([[0, 5, 5, 2], [5, 38, 58, 0]])  # 5 fresh tokens; 38 after 20 cached
-    ctx = torch.cat([torch.arange(1, 6), torch.arange(21, 59)])
-    rows_req = torch.tensor([2] * 5 + [0] * 38)
-    out, want = torch.zeros(43, h * d, dtype=torch.bfloat16), torch.zeros(43, h * d, dtype=torch.bfloat16)
+    time, every tile of a head of 128, and a context of two softmax passes. Where they disagree,
+    or a call fails, prefills keep their other paths."""
+    problems = [  # heads, KV heads, head size, block size, chunks (first row, tokens, context, table row)
+        (4, 2, 128, 8, [[0, 5, 5, 1], [5, 38, 58, 0]]),  # 5 fresh tokens; 38 after 20 cached
+        (2, 1, 32, 16, [[0, 20, 1120, 0]]),  # 20 after 1,100 cached
+    ]
     try:
-        kernel.prefill(query, chunks, k_cache, v_cache, tables, out, num_heads=h, block_size=bs, scale=d**-0.5)
-    except (RuntimeError, ValueError, MemoryError) as e:
+        for h, hk, d, bs, chunks in problems:
+            blocks = (max(c[2] for c in chunks) + bs - 1) // bs
+            tables = torch.randperm(len(chunks) * blocks, generator=g).view(len(chunks), blocks)
+            k_cache, v_cache = (torch.randn(tables.numel() * bs, hk, d, generator=g).to(torch.bfloat16)
+                                for _ in range(2))
+            t = sum(c[1] for c in chunks)
+            query = torch.randn(t, h * d + 8, generator=g).to(torch.bfloat16)[:, : h * d]  # strided, as a qkv split
+            out, want = (torch.zeros(t, h * d, dtype=torch.bfloat16) for _ in range(2))
+            kernel.prefill(query, torch.tensor(chunks), k_cache, v_cache, tables, out, num_heads=h, block_size=bs,
+                           scale=d**-0.5)
+            rows_req = torch.cat([torch.full((n,), r) for _, n, _, r in chunks])  # each token a decode row
+            ctx = torch.cat([torch.arange(c - n + 1, c + 1) for _, n, c, _ in chunks])
+            kernel(query, torch.arange(t), rows_req, k_cache, v_cache, tables, ctx, want, num_heads=h,
+                   block_size=bs, scale=d**-0.5)
+            if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
+                raise NativeKernelError(f"it disagrees with the decode kernel (max error "
+                                        f"{(out.float() - want.float()).abs().max():.3g})")
+    except (RuntimeError, ValueError, MemoryError) as e:  # NativeKernelError among them
         kernel.amx_prefill = False
         logger.warning("The CPU AMX prefill kernel failed its self-check (%s); prefill attention keeps torch's SDPA", e)
-        return
-    kernel(query, torch.arange(43), rows_req, k_cache, v_cache, tables, ctx, want, num_heads=h, block_size=bs,
-           scale=d**-0.5)
-    if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
-        kernel.amx_prefill = False
-        logger.warning("The CPU AMX prefill kernel disagrees with the decode kernel (max error %.3g); prefill "
-                       "attention keeps torch's SDPA", (out.float() - want.float()).abs().max().item())
 
 
 @functools.cache

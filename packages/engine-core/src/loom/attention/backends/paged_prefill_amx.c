@@ -8,42 +8,50 @@
  * Layouts as in paged_decode.c: query/out (rows, H * D) with row strides qs/os, caches (slots,
  * Hk, D) contiguous, tables (rows, ts).
  *
- * Work items are (chunk, KV head, a part of up to PF_PART query rows), shared among the threads
- * by cost (thread_share). An item lays out the K/V of the keys its rows see once, for all its
+ * Work items are (chunk, KV head, a part of its query rows), shared among the threads by cost
+ * (thread_share). Parts are whole chunks up to PF_PART_MIN rows, and longer chunks are cut so that
+ * each thread gets about PF_ITEMS_PER_THREAD items (each item lays its keys out anew, so finer
+ * parts would cost more than they balance). An item lays out the K/V of the keys its rows see once, for all its
  * rows and the g query heads of the KV head:
  *   - K as AMX's second operand of S = Q . K^T (pairs along D, VNNI): per 16 keys and 32 elements
  *     of D a 16 x 16 transpose of 32-bit pairs (1 KB);
  *   - V as the second operand of O = P . V: per 32 keys and 16 elements of D, the pairs of two
  *     consecutive keys interleaved (1 KB); keys past the item's last one are zeros.
- * Then per 16 query rows and query head: the rows' scores against every key block up to the
- * last row's position (`tdpbf16ps`, two key blocks at a time), stored as fp32 rows; an exact
- * softmax per row over its own positions (its max first, then 2^((s - max) scale log2 e) from a
- * degree-4 polynomial and `vscalefps`: the decode kernels' exp took a quarter more time here for
- * precision that the bf16 probabilities drop), the probabilities rounded to bf16 (the keys past
- * a row's position zero); P . V on tiles, 64 elements of D at a time; the sums divided by the
- * row's softmax sum. A block of 16 rows computes the scores of every key its last row sees (16
- * keys a tile) and P . V over them rounded up to 32, so its first row spends up to 46 keys past its
- * own position (masked to zero probability; torch's flash kernel computes whole key blocks too).
+ * Then per 16 query rows and query head, the keys the last row sees in passes of up to PF_PASS:
+ * the rows' scores against the pass's key blocks (`tdpbf16ps`, two key blocks at a time), stored
+ * as fp32 rows; per row its max and 2^((s - max) scale log2 e) over its own positions (a degree-4
+ * polynomial and `vscalefps`: the decode kernels' exp took a quarter more time here for precision
+ * that the bf16 probabilities drop), rounded to bf16 (the keys past a row's position zero); P . V
+ * on tiles, 64 elements of D at a time, added to the row's sums from earlier passes rescaled to
+ * the new max (online softmax, as flash attention does); at the end the sums divided by the
+ * softmax's. A block of 16 rows computes the scores of every key its last row sees (16 keys a
+ * tile) and P . V over them rounded up to 32, so its first row spends up to 46 keys past its own
+ * position (masked to zero probability; torch's flash kernel computes whole key blocks too).
  *
  * Measured 2026-12-06 on 2 cores of a Xeon with AMX, the default model's heads (9 / 3 of 64),
  * ms a layer, this kernel alone (ctypes, no K/V write) against torch 2.13's flash kernel (on AMX
  * too) as the backend called it; bench/prefill_attention.py times both through the backend: 16
- * prompts of 128 tokens 0.40 vs 1.33; 8 prompts of 36-510 (2,461 tokens, one flash call per
- * length) 1.33 vs 4.81; one of 1,000 1.22 vs 2.59; 512 after 1,536 cached 1.98 vs 4.34 (flash on
- * K/V gathered and masked); one of 4,096 17.7 vs 26.4; one of 8,192 98 vs 100 (a row's scores
- * and the laid-out K/V outgrow L2).
+ * prompts of 128 tokens 0.43 vs 1.33; 8 prompts of 36-510 (2,461 tokens, one flash call per
+ * length) 1.29 vs 4.70; one of 1,000 1.21-1.25 vs 2.56; 512 after 1,536 cached 1.97-2.02 vs 4.30
+ * (flash on K/V gathered and masked); one of 4,096 17.9-18.2 vs 26; one of 8,192 73-74 vs 98;
+ * 2,048 after 6,144 cached 36 vs 72; one of 12,288 203 vs 220, one of 16,384 406 vs 385 (so the
+ * backend keeps torch's kernel past 8,192 tokens of context). Before the passes (one softmax over
+ * all of a row's keys, items of at most 128 rows): 0.40 for 16 x 128, 17.4-18.0 for 4,096 and
+ * 96-101 for 8,192, where a row's scores and the laid-out K/V of many small items outgrew L2.
  *
  * Built where the compiler targets AMX-TILE, AMX-BF16 and AVX512-BF16 (-march=native on such a
  * CPU); elsewhere paged_prefill_amx_ready() is 0 and the backend keeps its other prefill paths,
- * as it does for head sizes other than multiples of 32 up to 128 (the call answers 2 for those). Linux hands the tile registers to a process that asks
- * (arch_prctl), asked once at the first paged_prefill_amx_ready() call.
+ * as it does for head sizes other than multiples of 32 up to 128 (the call answers 2 for those).
+ * Linux hands the tile registers to a process that asks (arch_prctl), asked once at the first
+ * paged_prefill_amx_ready() call.
  */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(LOOM_DPBF16)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define LOOM_AMX 1
-#define PF_PART 128 /* query rows an item at most: a long prompt's rows spread over the threads */
+#define PF_PART_MIN 128 /* query rows an item at least, unless its chunk is shorter */
+#define PF_ITEMS_PER_THREAD 8
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -172,41 +180,54 @@ static inline __m512 pf_exp2(__m512 t) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* row i of S -> P (bf16, keys [valid, width) zero), returns the softmax's sum */
-static inline float pf_softmax_row(const float *s, bf16_t *p, int64_t valid, int64_t width, float scale) {
+/* One pass of a row's softmax over the scores s of `valid` keys (up to `width`, P zero past
+ * valid): the running max *mr (in units of s c, c = scale log2 e) and sum *lr updated, P =
+ * 2^(s c - max) in bf16; returns the factor the row's earlier P . V sums take (0 on a first pass,
+ * 1 where this pass has no key of the row) */
+static inline float pf_softmax_part(const float *s, bf16_t *p, int64_t valid, int64_t width, float c, float *mr,
+                                    float *lr) {
+    int64_t j = 0;
+    if (valid <= 0) {
+        for (; j < width; j += 16) _mm256_storeu_si256((__m256i *)(p + j), _mm256_setzero_si256());
+        return 1.0f;
+    }
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < valid; j += 16) {
+    for (j = 0; j < valid; j += 16) {
         const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
         mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + j));
     }
-    /* e^((s - max) scale) = 2^(s c - max c), c = scale log2(e) */
-    const float c = scale * 1.44269504088896341f;
-    const __m512 vc = _mm512_set1_ps(c), top = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * c);
+    const float row_top = _mm512_reduce_max_ps(mx) * c, top = row_top > *mr ? row_top : *mr;
+    const float alpha = *mr == -INFINITY ? 0.0f : top == *mr ? 1.0f : exp2f(*mr - top);
+    const __m512 vc = _mm512_set1_ps(c), vtop = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j < valid; j += 16) {
+    for (j = 0; j < valid; j += 16) {
         const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
-        const __m512 e = _mm512_maskz_mov_ps(m, pf_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, top)));
+        const __m512 e = _mm512_maskz_mov_ps(m, pf_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vc, vtop)));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
     for (; j < width; j += 16) _mm256_storeu_si256((__m256i *)(p + j), _mm256_setzero_si256());
-    return _mm512_reduce_add_ps(sum);
+    *lr = *lr * alpha + _mm512_reduce_add_ps(sum);
+    *mr = top;
+    return alpha;
 }
 
-/* one item: rows [r0, r1) of the chunk, KV head kh; scratch as sized by paged_prefill_amx_bf16 */
+#define PF_PASS 1024 /* keys a softmax pass at most: 16 rows' scores (64 KB) and P (32 KB) stay in L2 */
+
+/* one item: rows [r0, r1) of the chunk, KV head kh; scratch as sized by paged_prefill_amx_bf16:
+ * s and p rows `sw` apart, o 16 x 64 floats, acc 16 x D floats */
 static void pf_item(const bf16_t *query, int64_t qs, const int64_t *chunk, const bf16_t *k_cache,
                     const bf16_t *v_cache, const int64_t *table, bf16_t *out, int64_t os, int64_t kh, int64_t r0,
                     int64_t r1, int64_t g, int64_t Hk, int64_t D, int64_t block_size, float scale, uint32_t *kp,
-                    uint32_t *vp, float *s, bf16_t *p, bf16_t *qpad, float *o) {
+                    uint32_t *vp, float *s, bf16_t *p, int64_t sw, bf16_t *qpad, float *o, float *acc) {
     const int64_t first = chunk[0], prefix = chunk[2] - chunk[1];
     const int64_t nkeys = prefix + r1, kpad = (nkeys + 31) / 32 * 32, dc = D / 32, dt = D / 16;
+    const float c = scale * 1.44269504088896341f;
     pf_pack_k(kp, k_cache, table, block_size, Hk, kh, D, nkeys, kpad);
     pf_pack_v(vp, v_cache, table, block_size, Hk, kh, D, nkeys, kpad);
-    float l[16];
+    float mr[16], lr[16], alpha[16];
     for (int64_t rb = r0; rb < r1; rb += 16) {
         const int64_t m = r1 - rb < 16 ? r1 - rb : 16, seen = prefix + rb + m; /* keys the last row sees */
-        const int64_t nkb = (seen + 15) / 16, width = (seen + 31) / 32 * 32;
         for (int64_t h = kh * g; h < (kh + 1) * g; h++) {
             const bf16_t *q = query + (first + rb) * qs + h * D;
             int64_t qstride = qs * 2;
@@ -215,38 +236,63 @@ static void pf_item(const bf16_t *query, int64_t qs, const int64_t *chunk, const
                 for (int64_t i = 0; i < m; i++) memcpy(qpad + i * D, q + i * qs, D * sizeof(bf16_t));
                 q = qpad, qstride = D * 2;
             }
-            _tile_loadd(2, q, qstride);
-            if (dc > 1) _tile_loadd(3, q + 32, qstride);
-            if (dc > 2) _tile_loadd(4, q + 64, qstride);
-            if (dc > 3) _tile_loadd(5, q + 96, qstride);
-            pf_scores(kp, dc, nkb, s, kpad);
-            for (int64_t i = 0; i < 16; i++)
-                l[i] = pf_softmax_row(s + i * kpad, p + i * kpad, i < m ? prefix + rb + i + 1 : 0, width, scale);
-            for (int64_t j0 = 0; j0 < dt; j0 += 4) {
-                const int64_t nj = dt - j0 < 4 ? dt - j0 : 4;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t kc = 0; kc < width / 32; kc++) {
-                    const uint32_t *v = vp + (kc * dt + j0) * 256;
-                    _tile_loadd(4, p + kc * 32, kpad * 2);
-                    _tile_loadd(5, v, 64); _tile_dpbf16ps(0, 4, 5);
-                    if (nj > 1) { _tile_loadd(6, v + 256, 64); _tile_dpbf16ps(1, 4, 6); }
-                    if (nj > 2) { _tile_loadd(7, v + 512, 64); _tile_dpbf16ps(2, 4, 7); }
-                    if (nj > 3) { _tile_loadd(5, v + 768, 64); _tile_dpbf16ps(3, 4, 5); }
+            for (int i = 0; i < 16; i++) mr[i] = -INFINITY, lr[i] = 0.0f;
+            for (int64_t k0 = 0; k0 < seen; k0 += PF_PASS) { /* the keys in passes, softmax online */
+                const int64_t k1 = seen - k0 < PF_PASS ? seen : k0 + PF_PASS;
+                const int64_t nkb = (k1 - k0 + 15) / 16, width = (k1 - k0 + 31) / 32 * 32;
+                _tile_loadd(2, q, qstride); /* (P . V below takes tiles 2 and 3) */
+                if (dc > 1) _tile_loadd(3, q + 32, qstride);
+                if (dc > 2) _tile_loadd(4, q + 64, qstride);
+                if (dc > 3) _tile_loadd(5, q + 96, qstride);
+                pf_scores(kp + k0 / 16 * dc * 256, dc, nkb, s, sw);
+                for (int64_t i = 0; i < 16; i++) {
+                    const int64_t end = prefix + rb + i + 1 < k1 ? prefix + rb + i + 1 : k1;
+                    alpha[i] = pf_softmax_part(s + i * sw, p + i * sw, i < m ? end - k0 : 0, width, c, &mr[i], &lr[i]);
                 }
-                _tile_stored(0, o, 256);
-                if (nj > 1) _tile_stored(1, o + 16, 256);
-                if (nj > 2) _tile_stored(2, o + 32, 256);
-                if (nj > 3) _tile_stored(3, o + 48, 256);
-                for (int64_t i = 0; i < m; i++) {
-                    const __m512 inv = _mm512_set1_ps(1.0f / l[i]);
-                    bf16_t *dst = out + (first + rb + i) * os + h * D + j0 * 16;
-                    for (int64_t j = 0; j < nj; j++)
-                        _mm256_storeu_si256((__m256i *)(dst + 16 * j),
-                                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(o + i * 64 + 16 * j), inv)));
+                for (int64_t j0 = 0; j0 < dt; j0 += 4) {
+                    const int64_t nj = dt - j0 < 4 ? dt - j0 : 4;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t kc = 0; kc < width / 32; kc++) {
+                        const uint32_t *v = vp + ((k0 / 32 + kc) * dt + j0) * 256;
+                        _tile_loadd(4, p + kc * 32, sw * 2);
+                        _tile_loadd(5, v, 64); _tile_dpbf16ps(0, 4, 5);
+                        if (nj > 1) { _tile_loadd(6, v + 256, 64); _tile_dpbf16ps(1, 4, 6); }
+                        if (nj > 2) { _tile_loadd(7, v + 512, 64); _tile_dpbf16ps(2, 4, 7); }
+                        if (nj > 3) { _tile_loadd(5, v + 768, 64); _tile_dpbf16ps(3, 4, 5); }
+                    }
+                    _tile_stored(0, o, 256);
+                    if (nj > 1) _tile_stored(1, o + 16, 256);
+                    if (nj > 2) _tile_stored(2, o + 32, 256);
+                    if (nj > 3) _tile_stored(3, o + 48, 256);
+                    if (k1 == seen && k0 == 0) { /* one pass: the rows' results */
+                        for (int64_t i = 0; i < m; i++) {
+                            const __m512 inv = _mm512_set1_ps(1.0f / lr[i]);
+                            bf16_t *dst = out + (first + rb + i) * os + h * D + j0 * 16;
+                            for (int64_t j = 0; j < nj; j++)
+                                _mm256_storeu_si256((__m256i *)(dst + 16 * j), (__m256i)_mm512_cvtneps_pbh(
+                                    _mm512_mul_ps(_mm512_load_ps(o + i * 64 + 16 * j), inv)));
+                        }
+                        continue;
+                    }
+                    for (int64_t i = 0; i < m; i++) /* the row's sums: this pass's, plus the earlier ones rescaled */
+                        for (int64_t j = 0; j < nj; j++) {
+                            float *a = acc + i * D + (j0 + j) * 16;
+                            const __m512 part = _mm512_load_ps(o + i * 64 + 16 * j);
+                            _mm512_store_ps(a, k0 ? _mm512_fmadd_ps(_mm512_load_ps(a), _mm512_set1_ps(alpha[i]), part)
+                                                  : part);
+                        }
                 }
+            }
+            if (seen <= PF_PASS) continue; /* written above */
+            for (int64_t i = 0; i < m; i++) {
+                const __m512 inv = _mm512_set1_ps(1.0f / lr[i]);
+                bf16_t *dst = out + (first + rb + i) * os + h * D;
+                for (int64_t j = 0; j < dt; j++)
+                    _mm256_storeu_si256((__m256i *)(dst + 16 * j),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + i * D + 16 * j), inv)));
             }
         }
     }
@@ -278,7 +324,12 @@ int paged_prefill_amx_bf16(const bf16_t *query, int64_t qs, const int64_t *chunk
     if (Hk <= 0 || H % Hk || D % 32 || D > 128 || D <= 0) return 2;
     const int64_t g = H / Hk;
     int64_t items = 0;
-    for (int64_t c = 0; c < n; c++) items += Hk * ((chunks[4 * c + 1] + PF_PART - 1) / PF_PART);
+    int64_t rows = 0;
+    for (int64_t c = 0; c < n; c++) rows += chunks[4 * c + 1];
+    const int64_t share = PF_ITEMS_PER_THREAD * (int64_t)(nthreads > 0 ? nthreads : 1);
+    int64_t part = (rows * Hk + share - 1) / share;
+    part = part < PF_PART_MIN ? PF_PART_MIN : (part + 15) / 16 * 16;
+    for (int64_t c = 0; c < n; c++) items += Hk * ((chunks[4 * c + 1] + part - 1) / part);
     if (!items) return 0;
     int64_t *item = malloc(items * 4 * sizeof(int64_t)); /* chunk, KV head, first row, end row */
     int64_t *cost = malloc(items * sizeof(int64_t));
@@ -287,8 +338,8 @@ int paged_prefill_amx_bf16(const bf16_t *query, int64_t qs, const int64_t *chunk
     for (int64_t c = 0; c < n; c++) {
         const int64_t tokens = chunks[4 * c + 1], prefix = chunks[4 * c + 2] - tokens;
         for (int64_t kh = 0; kh < Hk; kh++)
-            for (int64_t r0 = 0; r0 < tokens; r0 += PF_PART, it++) {
-                const int64_t r1 = r0 + PF_PART < tokens ? r0 + PF_PART : tokens;
+            for (int64_t r0 = 0; r0 < tokens; r0 += part, it++) {
+                const int64_t r1 = r0 + part < tokens ? r0 + part : tokens;
                 item[4 * it] = c, item[4 * it + 1] = kh, item[4 * it + 2] = r0, item[4 * it + 3] = r1;
                 /* laying out the keys, then per row and query head its keys (a block's at least) */
                 cost[it] = 2 * (prefix + r1) + g * (r1 - r0) * (prefix + (r0 + r1) / 2 + ITEM_TOKENS) / 16;
@@ -307,24 +358,26 @@ int paged_prefill_amx_bf16(const bf16_t *query, int64_t qs, const int64_t *chunk
             kmax = keys > kmax ? keys : kmax;
         }
         kmax = (kmax + 31) / 32 * 32;
-        /* K and V laid out, scores, probabilities, a padded query block, a block of results */
+        const int64_t sw = (kmax < PF_PASS ? kmax : PF_PASS) + 16; /* a pass's keys, rows not 4 KB apart */
+        /* K and V laid out, scores, probabilities, a padded query block, a block of results, the sums */
         const size_t kv_bytes = (size_t)kmax * D * sizeof(bf16_t);
-        const size_t bytes = 2 * kv_bytes + 16 * kmax * (sizeof(float) + sizeof(bf16_t)) + 16 * D * sizeof(bf16_t)
-                             + 16 * 64 * sizeof(float);
+        const size_t bytes = 2 * kv_bytes + 16 * sw * (sizeof(float) + sizeof(bf16_t)) + 16 * D * sizeof(bf16_t)
+                             + 16 * 64 * sizeof(float) + 16 * D * sizeof(float);
         char *mem = lo < hi ? aligned_alloc(64, (bytes + 63) / 64 * 64) : NULL;
         if (lo < hi && !mem) {
             _Pragma("omp atomic write") failed = 1;
         } else if (lo < hi) {
             uint32_t *kp = (uint32_t *)mem, *vp = (uint32_t *)(mem + kv_bytes);
             float *s = (float *)(mem + 2 * kv_bytes);
-            bf16_t *p = (bf16_t *)(s + 16 * kmax);
-            bf16_t *qpad = p + 16 * kmax;
-            float *o = (float *)(qpad + 16 * D);
+            bf16_t *p = (bf16_t *)(s + 16 * sw);
+            bf16_t *qpad = p + 16 * sw;
+            float *o = (float *)(qpad + 16 * D), *acc = o + 16 * 64;
             amx_tiles_16x64();
             for (int64_t i = lo; i < hi; i++) {
                 const int64_t *ch = chunks + 4 * item[4 * i];
                 pf_item(query, qs, ch, k_cache, v_cache, tables + ch[3] * ts, out, os, item[4 * i + 1],
-                        item[4 * i + 2], item[4 * i + 3], g, Hk, D, block_size, scale, kp, vp, s, p, qpad, o);
+                        item[4 * i + 2], item[4 * i + 3], g, Hk, D, block_size, scale, kp, vp, s, p, sw, qpad, o,
+                        acc);
             }
             _tile_release();
         }

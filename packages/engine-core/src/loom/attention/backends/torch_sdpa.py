@@ -10,7 +10,7 @@ context is at most ``KERNEL_PREFILL_MAX_CTX`` go through it too, each token a
 query over the positions up to its own (causal by construction, a cached prefix included; the
 kernel shares each K/V tile among 16 such rows). Where the compiled kernels have AMX tiles
 (``PagedDecode.takes_amx_prefill``: bf16, head size a multiple of 32 up to 128), every prefill
-chunk whose context is at most ``KERNEL_PREFILL_MAX_CTX`` runs in one call per layer of
+chunk whose context is at most ``AMX_PREFILL_MAX_CTX`` runs in one call per layer of
 ``paged_prefill_amx.c`` over the paged cache, a cached prefix included. Other prefill chunks with
 no cached prefix run batched, one causal SDPA call per chunk length; a chunk after a cached
 prefix runs alone, masked over the prefix plus the chunk.
@@ -29,17 +29,19 @@ from loom_plugin_api import AttentionBackend, AttentionImpl, AttentionMetadata
 from . import native
 
 KERNEL_PREFILL_MAX_CTX = 4096
-"""Prefill chunks up to this context run through the AMX kernel where it runs, else the
-AVX512-BF16 kernel where that one takes prefills. The AMX kernel alone against torch's flash
-kernel (itself on AMX) as this backend calls it, per layer of the default model (2026-12-06, 2
-cores of a Xeon with AMX; ``bench/prefill_attention.py`` times both through the backend): 16
-prompts of 128 tokens 0.40 vs 1.33 ms, 8 prompts of 36-510 1.33 vs 4.81, one of 1,000 1.22 vs
-2.59, 512 after 1,536 cached 1.98 vs 4.34, one of 4,096 17.7 vs 26.4, one of 8,192 98 vs 100
-(its rows' scores and laid-out K/V outgrow L2 there). The AVX512-BF16 kernel, per layer of the
-default model: it beat torch's flash kernel at every length measured up to 4,096 tokens (139 vs 148 ms for
-one prompt of 4,096, 2.5 vs 6.1 for 16 of 128; 2026-12-05), and a review measured it slower at
-8,192 (706-792 vs 632-671 ms): each row reads its whole context, so past a few thousand tokens
-the flash kernel's blocking wins."""
+"""Prefill chunks up to this context run through the AVX512-BF16 kernel where that one takes
+prefills (no AMX). Per layer of the default model it beat torch's flash kernel at every length
+measured up to 4,096 tokens (139 vs 148 ms for one prompt of 4,096, 2.5 vs 6.1 for 16 of 128;
+2026-12-05), and a review measured it slower at 8,192 (706-792 vs 632-671 ms): each row reads its
+whole context, so past a few thousand tokens the flash kernel's blocking wins."""
+
+AMX_PREFILL_MAX_CTX = 8192
+"""Prefill chunks up to this context run through the AMX kernel where it runs. Against torch's
+flash kernel (itself on AMX) as this backend calls it, the kernel alone, per layer of the default
+model (2026-12-06, 2 cores of a Xeon with AMX; ``bench/prefill_attention.py`` times both through
+the backend): 16 prompts of 128 tokens 0.43 vs 1.33 ms, 8 prompts of 36-510 1.29 vs 4.70, 512
+after 1,536 cached 2.0 vs 4.3, one of 4,096 18 vs 26, one of 8,192 73 vs 98, one of 12,288 203
+vs 220, one of 16,384 406 vs 385."""
 
 
 @dataclass(slots=True)
@@ -124,7 +126,8 @@ def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill
     """Gather indices and masks for this step (computed once, reused by every layer); the
     decode requests' gather indices only when ``gather_decode`` (no native kernel). With
     ``kernel_prefill`` the prefill chunks up to ``KERNEL_PREFILL_MAX_CTX`` join the kernel's query
-    rows; with ``amx_prefill`` (which takes precedence) they go to the AMX kernel as chunks."""
+    rows; with ``amx_prefill`` (which takes precedence) those up to ``AMX_PREFILL_MAX_CTX`` go to the
+    AMX kernel as chunks."""
     kernel_prefill = kernel_prefill and not amx_prefill
     key = f"torch_sdpa_plan_{int(gather_decode)}{int(kernel_prefill)}{int(amx_prefill)}"
     plan = md.scratch.get(key)
@@ -162,7 +165,7 @@ def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill
             decode.mask = valid[:, None, None, :]
     in_kernel = set(kernel_rows)
     amx_rows = [i for i, q in enumerate(q_lens)
-                if amx_prefill and q > 1 and seq_lens[i] <= KERNEL_PREFILL_MAX_CTX]
+                if amx_prefill and q > 1 and seq_lens[i] <= AMX_PREFILL_MAX_CTX]
     in_kernel.update(amx_rows)
     prefills = []
     by_length: dict[int, list[int]] = {}
