@@ -303,7 +303,7 @@ def _check_amx_prefill(kernel: PagedDecode, g: torch.Generator) -> None:
     or a call fails, prefills keep their other paths."""
     problems = [  # heads, KV heads, head size, block size, chunks (first row, tokens, context, table row)
         (4, 2, 128, 8, [[0, 5, 5, 1], [5, 38, 58, 0]]),  # 5 fresh tokens; 38 after 20 cached
-        (2, 1, 32, 16, [[0, 20, 1120, 0]]),  # 20 after 1,100 cached
+        (2, 1, 32, 16, [[0, 20, 2048, 0]]),  # 20 after 2,028 cached: two whole passes
     ]
     try:
         for h, hk, d, bs, chunks in problems:

@@ -9,9 +9,9 @@
  * Hk, D) contiguous, tables (rows, ts).
  *
  * Work items are (chunk, KV head, a part of its query rows), shared among the threads by cost
- * (thread_share). Parts are whole chunks up to PF_PART_MIN rows, and longer chunks are cut so that
- * each thread gets about PF_ITEMS_PER_THREAD items (each item lays its keys out anew, so finer
- * parts would cost more than they balance). An item lays out the K/V of the keys its rows see once, for all its
+ * (thread_share). A call cuts its chunks into parts of one size, at least PF_PART_MIN rows, chosen
+ * so that the step gives each thread about PF_ITEMS_PER_THREAD items (each item lays its keys out
+ * anew, so finer parts would cost more than they balance). An item lays out the K/V of the keys its rows see once, for all its
  * rows and the g query heads of the KV head:
  *   - K as AMX's second operand of S = Q . K^T (pairs along D, VNNI): per 16 keys and 32 elements
  *     of D a 16 x 16 transpose of 32-bit pairs (1 KB);
@@ -34,8 +34,9 @@
  * prompts of 128 tokens 0.43 vs 1.33; 8 prompts of 36-510 (2,461 tokens, one flash call per
  * length) 1.29 vs 4.70; one of 1,000 1.21-1.25 vs 2.56; 512 after 1,536 cached 1.97-2.02 vs 4.30
  * (flash on K/V gathered and masked); one of 4,096 17.9-18.2 vs 26; one of 8,192 73-74 vs 98;
- * 2,048 after 6,144 cached 36 vs 72; one of 12,288 203 vs 220, one of 16,384 406 vs 385 (so the
- * backend keeps torch's kernel past 8,192 tokens of context). Before the passes (one softmax over
+ * 2,048 after 6,144 cached 36 vs 72; one of 12,288 203 vs 220, one of 16,384 406 vs 385 (the
+ * crossover lies between those two; the backend keeps torch's kernel past 8,192 tokens of context,
+ * the longest measured more than twice). Before the passes (one softmax over
  * all of a row's keys, items of at most 128 rows): 0.40 for 16 x 128, 17.4-18.0 for 4,096 and
  * 96-101 for 8,192, where a row's scores and the laid-out K/V of many small items outgrew L2.
  *
@@ -322,11 +323,12 @@ int paged_prefill_amx_bf16(const bf16_t *query, int64_t qs, const int64_t *chunk
 #ifdef LOOM_AMX
     if (!paged_prefill_amx_ready()) return 3;
     if (Hk <= 0 || H % Hk || D % 32 || D > 128 || D <= 0) return 2;
+    if (nthreads < 1) nthreads = 1;
     const int64_t g = H / Hk;
     int64_t items = 0;
     int64_t rows = 0;
     for (int64_t c = 0; c < n; c++) rows += chunks[4 * c + 1];
-    const int64_t share = PF_ITEMS_PER_THREAD * (int64_t)(nthreads > 0 ? nthreads : 1);
+    const int64_t share = PF_ITEMS_PER_THREAD * (int64_t)nthreads;
     int64_t part = (rows * Hk + share - 1) / share;
     part = part < PF_PART_MIN ? PF_PART_MIN : (part + 15) / 16 * 16;
     for (int64_t c = 0; c < n; c++) items += Hk * ((chunks[4 * c + 1] + part - 1) / part);
