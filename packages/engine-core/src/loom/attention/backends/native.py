@@ -142,7 +142,7 @@ class PagedDecode:
         lib.paged_prefill_amx_ready.restype = ctypes.c_int
         self.amx_prefill = bool(lib.paged_prefill_amx_ready())
         """Whether ``prefill`` runs here: built for AMX (``paged_prefill_amx.c``) and the tiles granted;
-        cleared by the self-check where its answer disagrees with torch's."""
+        cleared by the self-check (``_check_amx_prefill``) where it fails or disagrees with the decode kernel."""
 
     def supports(self, dtype: torch.dtype, head_size: int) -> bool:
         return dtype in self._fns and head_size % 8 == 0 and head_size <= 256
@@ -178,8 +178,7 @@ class PagedDecode:
         if not (query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
                 and query.stride(1) == out.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and tables.dtype == torch.int64 and tables.stride(1) == 1 and chunks.dtype == torch.int64
-                and chunks.is_contiguous()
-                and chunks.dim() == 2 and chunks.shape[1] == 4):
+                and chunks.is_contiguous() and chunks.dim() == 2 and chunks.shape[1] == 4):
             raise ValueError("paged_prefill_amx: dtypes or strides do not match the kernel's layout")
         rc = call(self._prefill_amx, query.data_ptr(), query.stride(0), chunks.data_ptr(), chunks.shape[0],
                   k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), out.data_ptr(),

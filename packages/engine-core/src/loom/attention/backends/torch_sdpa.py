@@ -256,7 +256,7 @@ class TorchSDPAImpl(AttentionImpl):
         in_kernel = self.decodes_in_kernel(query.dtype)
         amx = in_kernel and self._takes_amx_prefill(query.dtype)
         plan = build_plan(attn_metadata, gather_decode=not in_kernel,
-                          kernel_prefill=in_kernel and not amx and self._takes_prefill(query.dtype), amx_prefill=amx)
+                          kernel_prefill=in_kernel and self._takes_prefill(query.dtype), amx_prefill=amx)
         if query.stride(-1) != 1:
             query = query.contiguous()
         q = query.view(T, H, D)
