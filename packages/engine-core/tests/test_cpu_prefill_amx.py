@@ -1,6 +1,8 @@
 """The CPU prefill-attention kernel on AMX tiles (``paged_prefill_amx.c``) against torch, and the
-backend's use of it. It runs where the CPU has AMX; this project's CI machine has it, so there
-these tests run, and a build that loses the kernel there fails ``test_ready_where_the_cpu_has_amx``."""
+backend's use of it. They run where the CPU has AMX (the Xeons this project's CI has run on) and
+skip elsewhere as an absent capability (``conftest.py``'s ``CAPABILITIES``); on every CPU
+``test_ready_where_the_cpu_has_amx`` checks that the kernel is on exactly where the tiles are, so a
+build that loses it on an AMX machine fails, and one that turns it on without them fails too."""
 
 from __future__ import annotations
 
