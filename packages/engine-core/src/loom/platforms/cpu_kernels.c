@@ -81,7 +81,7 @@ DEFINE_GT16(gt16i, v16i, cmp_vi) /* signed ints */
 typedef uint16_t cmp_vh __attribute__((vector_size(2 * CMP_LANES)));
 typedef uint32_t cmp_vu __attribute__((vector_size(4 * CMP_LANES)));
 static inline cmp_vf loadn_f32(const float *p) { cmp_vf x; memcpy(&x, p, sizeof x); return x; }
-static inline cmp_vf loadn_bf16(const uint16_t *p) {
+static inline cmp_vf loadn_bf16(const bf16_t *p) {
     cmp_vh h; memcpy(&h, p, sizeof h);
     return (cmp_vf)(__builtin_convertvector(h, cmp_vu) << 16);
 }
@@ -103,8 +103,6 @@ static inline void store16_bf16(bf16_t *p, v16f x) {
 }
 static inline v16f round16_f32(v16f x) { return x; }
 static inline v16f round16_bf16(v16f x) { return (v16f)(bf16_bits16(x) << 16); }
-
-static inline v16f select16(v16i mask, v16f a, v16f b) { return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask)); }
 
 /* e^x for any float x (Cephes' expf polynomial, x = n ln2 + r, e^x = 2^n e^r), x clamped to
  * [-87, 88.7] where 2^n stays a normal float: beyond it only the last digits of SiLU's tiny or
@@ -354,7 +352,8 @@ DEFINE_KERNELS(bf16, bf16_t)
  * fp32, as torch.max(dim=-1) gives them (torch's kernel takes about 0.45 ns per bf16 value, more
  * than the LM head's chunk matmul that made them for a small model). Sixteen lanes (in vectors of
  * the CPU's width) keep their own largest value and where it was first seen; the lanes' results
- * merge by value, then by the smaller index. A NaN never wins (a row of nothing but NaN gives -inf at index 0). */
+ * merge by value, then by the smaller index. A NaN never wins (a row of nothing but NaN gives
+ * -inf at index 0). */
 #define ARGMAX_PARTS (16 / CMP_LANES)
 #define DEFINE_ARGMAX(NAME, T)                                                                     \
 int row_argmax_##NAME(const T *x, int64_t xs, int64_t rows, int64_t n, float *val, int64_t *idx,   \
