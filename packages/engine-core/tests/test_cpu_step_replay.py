@@ -32,12 +32,16 @@ def llama(tmp_path_factory):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         initializer_range=0.2, rope_theta=1000.0)
+                         initializer_range=0.2, rope_theta=1000.0, tie_word_embeddings=True)
     path = tmp_path_factory.mktemp("llama")
     LlamaForCausalLM(config).float().save_pretrained(path)
     saved = dict(custom_op.kernel_registry)
     assert cpu_kernels.install()  # RMSNorm, SiLU-and-mul, rotary through the C kernels, as in a CPU worker
-    yield get_model(make_config(str(path)))
+    model = get_model(make_config(str(path)))
+    # tied and packed, as the default model is: the embedding's rows come from the packed LM head
+    # through a compiled kernel, whose calls a replay makes again with the new tokens
+    assert not CPU or model.model.embed_tokens.row_source is not None
+    yield model
     custom_op.kernel_registry.clear()
     custom_op.kernel_registry.update(saved)
 

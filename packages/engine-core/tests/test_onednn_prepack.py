@@ -8,7 +8,7 @@ from loom import envs
 from loom.layers import onednn
 from loom.layers.linear import LinearBase
 from loom.layers.logits_processor import LogitsProcessor
-from loom.layers.vocab_parallel_embedding import ParallelLMHead
+from loom.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from loom.model_loader import get_model
 from model_utils import make_config, run_prefill
 
@@ -43,7 +43,10 @@ def model_dirs(tmp_path_factory):
         "llama": LlamaForCausalLM(LlamaConfig(
             vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=True)),
-        "opt": OPTForCausalLM(OPTConfig(  # biases everywhere
+        "llama-untied": LlamaForCausalLM(LlamaConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=False)),
+        "opt": OPTForCausalLM(OPTConfig(  # biases everywhere; a tied head
             vocab_size=1000, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
             max_position_embeddings=128, init_std=0.2, dropout=0.0)),
     }
@@ -59,8 +62,16 @@ def _load(path: str, dtype: str, prepack: bool, monkeypatch) -> torch.nn.Module:
     return get_model(make_config(path, dtype=dtype))
 
 
+def _embeddings(model: torch.nn.Module) -> list[VocabParallelEmbedding]:
+    return [m for m in model.modules() if type(m) is VocabParallelEmbedding]
+
+
+def _holds_data(weight: torch.Tensor) -> bool:
+    return weight.untyped_storage().nbytes() >= weight.numel() * weight.element_size()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["llama", "opt"])
+@pytest.mark.parametrize("name", ["llama", "llama-untied", "opt"])
 def test_prepacked_model_equals_f_linear(name, dtype, model_dirs, monkeypatch):
     dense = _load(model_dirs[name], dtype, False, monkeypatch)
     packed = _load(model_dirs[name], dtype, True, monkeypatch)
@@ -69,6 +80,21 @@ def test_prepacked_model_equals_f_linear(name, dtype, model_dirs, monkeypatch):
     assert linears and all(m.weight.is_mkldnn == packs for m in linears)
     assert not any(m.weight.is_mkldnn for m in dense.modules() if isinstance(m, LinearBase))
     assert (packed.logits_processor.packed_head is not None) == packs and dense.logits_processor.packed_head is None
+    # the LM head's dense weight is gone once packed; a tied embedding then reads the packed rows,
+    # every one of them (padding too) exactly as the dense table holds it
+    assert _holds_data(packed.lm_head.weight) != packs
+    [embedding], [dense_embedding] = _embeddings(packed), _embeddings(dense)
+    tied = name != "llama-untied"
+    assert (embedding.row_source is not None) == (packs and tied) and dense_embedding.row_source is None
+    assert _holds_data(embedding.weight) != (packs and tied)
+    ids = torch.arange(embedding.weight.shape[0]).flip(0).reshape(8, -1)
+    assert torch.equal(embedding(ids), dense_embedding.weight[ids])
+    # the LM head without its dense weight: logits, and greedy ids in any chunking, from the packed one
+    hidden = torch.randn(5, 64).to(packed.lm_head.weight.dtype)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    torch.testing.assert_close(packed.compute_logits(hidden), dense.compute_logits(hidden), atol=tol, rtol=tol)
+    greedy = packed.logits_processor.greedy_token_ids
+    assert torch.equal(greedy(packed.lm_head, hidden, chunk=100), greedy(packed.lm_head, hidden))
     # state_dict() shows the dense weights, exactly the loaded ones
     want, got = dense.state_dict(), packed.state_dict()
     assert want.keys() == got.keys()
@@ -105,6 +131,55 @@ def test_packed_lm_head_skips_padding_rows(bias):
     assert torch.equal(packed.greedy_token_ids(head, hidden), want)
     assert torch.equal(packed.greedy_token_ids(head, hidden, chunk=100), want)  # another chunking: dense path
     assert (want < 1000).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * BF16_PACKS)  # the dtypes packed here
+def test_packed_head_looks_rows_up(dtype):
+    """1000 rows (padded to 1024) in chunks of 96: lookups across chunks, of the last short chunk
+    and of padding give the dense rows bit for bit, in the ids' shape; an id past the table raises."""
+    torch.manual_seed(0)
+    weight = torch.randn(1024, 40).to(dtype)
+    weight[1000:] = 0
+    head = onednn.PackedHead(weight, 96)
+    assert head.enable_lookup()
+    ids = torch.tensor([[0, 95, 96, 1023], [999, 1000, 5, 960]])
+    assert torch.equal(head.lookup(ids), weight[ids])
+    assert torch.equal(head.lookup(torch.arange(1024)), weight) and torch.equal(head.to_dense(), weight)
+    assert head.lookup(torch.tensor([], dtype=torch.int64)).shape == (0, 40)
+    with pytest.raises(IndexError, match="1024 rows"):
+        head.lookup(torch.tensor([3, 1024]))
+    with pytest.raises(IndexError):
+        head.lookup(torch.tensor([-1]))
+
+
+def test_row_layout_refuses_what_it_cannot_express(monkeypatch):
+    """The layout is read back, not assumed: a buffer whose rows are not at one column stride
+    from a per-row offset, or one that repeats an element, gives None (the dense table stays)."""
+    assert onednn.row_layout(96, 40, torch.float32) is not None
+    real = onednn._buffer
+    onednn.row_layout.cache_clear()
+    size = real(onednn.pack_weight(torch.zeros(96, 40))).numel()
+    shuffle = torch.randperm(size, generator=torch.Generator().manual_seed(0))  # the same in every probe
+    monkeypatch.setattr(onednn, "_buffer", lambda p: real(p)[shuffle])
+    assert onednn.row_layout(96, 40, torch.float32) is None  # every element once, but scattered
+    onednn.row_layout.cache_clear()
+    monkeypatch.setattr(onednn, "_buffer", lambda p: torch.cat([real(p)[:1], real(p)[:-1]]))
+    assert onednn.row_layout(96, 40, torch.float32) is None  # the first element twice, the last lost
+    monkeypatch.undo()
+    onednn.row_layout.cache_clear()
+
+
+def test_tied_embedding_stays_dense_without_the_kernels(model_dirs, monkeypatch):
+    """No compiled kernels (no C compiler): the LM head is still packed, and its untied dense
+    weight still goes, but a tied embedding keeps its table, which it reads with F.embedding."""
+    from loom.platforms import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    for name, tied in (("llama", True), ("llama-untied", False)):
+        model = _load(model_dirs[name], "float32", True, monkeypatch)
+        [embedding] = _embeddings(model)
+        assert model.logits_processor.packed_head is not None and _holds_data(model.lm_head.weight) == tied
+        assert embedding.row_source is None and _holds_data(embedding.weight)
 
 
 def test_prepack_off_keeps_f_linear(model_dirs, monkeypatch):

@@ -9,9 +9,13 @@ on the machines measured, within float rounding in fp32); ``bench/roofline.py`` 
 per-shape rates of both.
 
 The packed weight replaces the dense one (no second copy); ``weight.to_dense()`` and the
-model's ``state_dict()`` give the dense tensor back. The LM head, whose weight is often the
-embedding table as well, is packed as a separate copy in vocabulary chunks (``PackedHead``),
-since the embedding gathers rows.
+model's ``state_dict()`` give the dense tensor back. The LM head is packed in vocabulary chunks
+(``PackedHead``). Its dense weight goes too: an untied head's is never read again, and a tied
+embedding looks its rows up in the packed chunks (``PackedHead.lookup``, the CPU kernels'
+``gather_rows``), at the element offsets oneDNN chose, read back once per chunk shape by packing
+probe weights (:func:`row_layout`). Where that cannot be had (no compiled kernels, a layout not
+of that form), the embedding keeps its dense table. For the default model in fp32 this is the
+113 MB second copy of its vocabulary.
 
 Only on the CPU, for float32 and bfloat16 (bf16 where oneDNN packs it on this CPU: ``packs``),
 where torch was built with oneDNN;
@@ -33,7 +37,7 @@ from ..logger import init_logger
 
 logger = init_logger("loom.layers.onednn")
 
-__all__ = ["PackedHead", "available", "linear", "pack_weight", "prepack_model"]
+__all__ = ["PackedHead", "available", "linear", "pack_weight", "prepack_model", "row_layout"]
 
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
@@ -82,13 +86,93 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.
 
 
 class PackedHead:
-    """The LM head's weight packed in vocabulary chunks: ``[(lo, hi, packed rows lo:hi)]``."""
+    """The LM head's weight packed in vocabulary chunks: ``[(lo, hi, packed rows lo:hi)]``; once
+    :meth:`enable_lookup` said yes, also the table a tied embedding looks its rows up in."""
 
     def __init__(self, weight: torch.Tensor, chunk: int) -> None:
         # every row of this rank's shard, padding too: forward() gathers whole shards across ranks
         self.chunk = chunk
+        self.dtype, self.cols = weight.dtype, weight.shape[1]
         rows = weight.shape[0]
         self.chunks = [(lo, min(lo + chunk, rows), pack_weight(weight[lo:lo + chunk])) for lo in range(0, rows, chunk)]
+        self._lookup: tuple | None = None
+
+    def enable_lookup(self) -> bool:
+        """Make :meth:`lookup` work; False where this CPU has no compiled kernels or oneDNN's
+        layout of a chunk does not put a row's elements at one stride from a per-row offset."""
+        from ..platforms.cpu_kernels import kernels  # here: the platforms import the layers
+
+        if not all(hasattr(torch.ops.mkldnn, op) for op in ("data_ptr", "_nbytes")):
+            return False  # a torch that cannot show a packed buffer
+        layouts = [row_layout(hi - lo, self.cols, self.dtype) for lo, hi, _ in self.chunks]
+        k = kernels()
+        if k is None or None in layouts or len({stride for _, stride in layouts}) != 1:
+            return False
+        offsets = torch.cat([offset for offset, _ in layouts])
+        pointers = torch.tensor([torch.ops.mkldnn.data_ptr(w) for _, _, w in self.chunks], dtype=torch.int64)
+        self._lookup = (k.gather_rows, pointers, self.chunk, offsets, layouts[0][1], self.cols, self.dtype)
+        return True
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """``F.embedding(ids, dense weight)``, bit for bit, from the packed chunks."""
+        gather, pointers, chunk, offsets, stride, cols, dtype = self._lookup  # type: ignore[misc]
+        return gather(pointers, chunk, offsets, stride, cols, dtype, ids).reshape(*ids.shape, cols)
+
+    def to_dense(self) -> torch.Tensor:
+        """The dense ``(rows, cols)`` weight, rebuilt (``state_dict()``)."""
+        return torch.cat([w.to_dense() for _, _, w in self.chunks])
+
+
+def _buffer(packed: torch.Tensor) -> torch.Tensor:
+    """A packed weight's buffer as a 1-D tensor of its dtype, a view: ``packed`` must outlive it."""
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    raw = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return torch.frombuffer(raw, dtype=packed.dtype)
+
+
+_DIGIT_BITS = 7  # a probe weight holds 1 + digit / 128: exact in bf16 (7 mantissa bits) and fp32
+
+
+@functools.cache
+def row_layout(rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
+    """Where oneDNN keeps each element of a packed ``(rows, cols)`` weight of ``dtype``:
+    ``(row_offset (rows,) int64, col_stride)``, element ``(r, i)`` being ``row_offset[r] + i *
+    col_stride`` elements into the buffer; None where the layout is not of that form.
+
+    Read back rather than assumed: each probe packs a weight whose elements hold 7 bits of their
+    own index (as 1 + digit / 128; the buffer's padding is 0), and the digits found at each
+    position of the buffer spell out which element went there."""
+    n = rows * cols
+    index = torch.arange(n)
+    found = None
+    real = None
+    for p in range((max(n - 1, 1).bit_length() + _DIGIT_BITS - 1) // _DIGIT_BITS):
+        digit = (index >> (_DIGIT_BITS * p)) & ((1 << _DIGIT_BITS) - 1)
+        probe = (1 + digit.to(torch.float32) / (1 << _DIGIT_BITS)).to(dtype).reshape(rows, cols)
+        packed = pack_weight(probe)
+        values = _buffer(packed).to(torch.float32, copy=True)
+        here = (values >= 1) & (values < 2)
+        if real is None:
+            real, found = here, torch.zeros(values.numel(), dtype=torch.int64)
+        if not torch.equal(here, real):
+            return None
+        found += ((values - 1) * (1 << _DIGIT_BITS)).round().long().clamp(min=0) << (_DIGIT_BITS * p)
+        del packed
+    assert found is not None and real is not None
+    positions = torch.nonzero(real).squeeze(1)
+    elements = found[positions]
+    if positions.numel() != n or elements.max() >= n:
+        return None
+    where = torch.full((n,), -1, dtype=torch.int64)
+    where[elements] = positions
+    if (where < 0).any():
+        return None  # not each element exactly once
+    where = where.reshape(rows, cols)
+    stride = int(where[0, 1] - where[0, 0]) if cols > 1 else 1
+    row_offset = where[:, 0].contiguous()
+    if not torch.equal(where, row_offset[:, None] + torch.arange(cols) * stride):
+        return None
+    return row_offset, stride
 
 
 def prepack_model(model: nn.Module) -> int:
@@ -114,11 +198,41 @@ def prepack_model(model: nn.Module) -> int:
             if (isinstance(module, LogitsProcessor) and module.packed_head is None and lm_head is not None
                     and enabled_for(lm_head.weight)):
                 module.packed_head = PackedHead(lm_head.weight, module.chunk)
+                _drop_dense_head(model, lm_head.weight, module.packed_head)
                 packed += 1
     if packed:
         _return_freed_memory()
         logger.info("Prepacked %d linear weights for oneDNN (LOOM_CPU_PREPACK=0 to keep F.linear)", packed)
     return packed
+
+
+def _drop_dense_head(model: nn.Module, weight: torch.Tensor, head: PackedHead) -> bool:
+    """Free the LM head's dense weight, now that ``head`` holds it packed; whether it went.
+
+    Each module that held it gets ``row_source = head``, and for ``weight`` one NaN broadcast to
+    the weight's shape (its dtype and device, for code that asks the model's parameters; no data,
+    and NaN wherever something reads it anyway); an embedding among them then looks rows up in
+    ``head``. Where ``head`` cannot serve lookups, a tied weight stays (an untied head's goes
+    regardless)."""
+    # here, not at the top: it imports .linear, which imports this module
+    from .vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    holders = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding) and m.weight is weight]
+    if not holders or (any(not isinstance(m, ParallelLMHead) for m in holders) and not head.enable_lookup()):
+        return False
+    stub = nn.Parameter(torch.full((1, 1), float("nan"), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
+    for module in holders:
+        module.weight = stub
+        module.row_source = head
+        module.register_state_dict_post_hook(_head_state)
+    return True
+
+
+def _head_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """``state_dict()`` keeps showing the dense weight of an embedding or head whose rows are packed."""
+    key = prefix + "weight"
+    if key in state_dict and module.row_source is not None:
+        state_dict[key] = module.row_source.to_dense()
 
 
 def _return_freed_memory() -> None:

@@ -56,6 +56,12 @@ class VocabParallelEmbedding(nn.Module):
             requires_grad=False,
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        # on the CPU, once the LM head is packed: the packed head, which serves the rows instead
+        # of ``weight`` (then a NaN broadcast to its shape: no data), see ``onednn.prepack_model``
+        self.row_source: Any = None
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.row_source is None else self.row_source.lookup(ids)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         if loaded_weight.dim() != 2 or loaded_weight.shape[1] != self.embedding_dim or \
@@ -71,10 +77,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)  # (T, dim)
+            return self._rows(input_ids)  # (T, dim)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = torch.where(outside, 0, input_ids - self.vocab_start_index)
-        out = F.embedding(local_ids, self.weight)
+        out = self._rows(local_ids)
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(out)  # (T, dim)
 

@@ -394,6 +394,33 @@ int row_argmax_##NAME(const T *x, int64_t xs, int64_t rows, int64_t n, float *va
 DEFINE_ARGMAX(f32, float)
 DEFINE_ARGMAX(bf16, bf16_t)
 
+/* ---- Embedding rows gathered from the LM head's oneDNN-packed chunks ----
+ * A tied embedding looks its rows up in the weight the LM head keeps packed for oneDNN
+ * (loom/layers/onednn.py), instead of in a second, dense copy. Row `id` lies in chunk
+ * id / chunk_rows; its element i sits row_offset[id] + i * col_stride elements into that
+ * chunk's buffer (a layout oneDNN chose and onednn.py read back by packing probe weights). A
+ * copy, bit for bit. An id outside [0, rows) leaves its output row alone and makes the call
+ * return 1: the caller raises, as F.embedding would. */
+#define DEFINE_GATHER(NAME, T)                                                                     \
+int gather_rows_##NAME(const T *const *chunks, int64_t chunk_rows, const int64_t *row_offset,      \
+                       int64_t col_stride, int64_t cols, int64_t rows, const int64_t *ids,         \
+                       int64_t n, T *out, int nthreads) {                                          \
+    int bad = 0;                                                                                   \
+    _Pragma("omp parallel for if(n >= 256) num_threads(nthreads) schedule(static) reduction(|:bad)") \
+    for (int64_t t = 0; t < n; t++) {                                                              \
+        const int64_t id = ids[t];                                                                 \
+        if (id < 0 || id >= rows) { bad = 1; continue; }                                           \
+        const T *src = chunks[id / chunk_rows] + row_offset[id];                                   \
+        T *dst = out + t * cols;                                                                   \
+        for (int64_t i = 0; i < cols; i++)                                                         \
+            dst[i] = src[i * col_stride];                                                          \
+    }                                                                                              \
+    return bad;                                                                                    \
+}
+
+DEFINE_GATHER(f32, float)
+DEFINE_GATHER(bf16, bf16_t)
+
 /* ---- Weight-only 8-bit group-wise quantized matmul for a few rows (decode) ----
  *
  * out[r, o] = sum_i x[r, i] * ((q[o, i] - 128) * scale[o, i / G] + zero[o, i / G]), fp32 sums.

@@ -51,6 +51,7 @@ _ARGTYPES = {
     "q8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
     "q4_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
     "row_argmax": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
+    "gather_rows": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT],
     "qa_linear": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
 }
 # q4_linear_bf16 takes the bf16 (scale, zero) pairs as one array: no separate zero pointer
@@ -287,6 +288,23 @@ class CpuKernels:
             native.call(fn, x.data_ptr(), x.stride(0), rows, x.shape[1], val.data_ptr(), idx.data_ptr(), torch.get_num_threads())
         return val, idx
 
+    def gather_rows(self, chunks: torch.Tensor, chunk_rows: int, row_offset: torch.Tensor, col_stride: int,
+                    cols: int, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows ``ids`` of a table kept in chunks of ``chunk_rows`` rows at the addresses in
+        ``chunks`` (int64), element ``i`` of row ``r`` at ``row_offset[r] + i * col_stride``
+        elements into its chunk: ``(len(ids), cols)`` in ``dtype``. The caller keeps the chunks
+        alive and the layout true (``layers/onednn.py``); this checks the ids. None for a dtype
+        the kernel lacks; IndexError for an id outside the table."""
+        fn = self._fns.get(("gather_rows", dtype))
+        if fn is None:
+            return None
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), cols, dtype=dtype)
+        if native.call(fn, chunks.data_ptr(), chunk_rows, row_offset.data_ptr(), col_stride, cols, row_offset.numel(),
+                       ids.data_ptr(), ids.numel(), out.data_ptr(), torch.get_num_threads()):
+            raise IndexError(f"token id out of range: the embedding has {row_offset.numel()} rows")
+        return out
+
     def q4_linear(self, x: torch.Tensor, packed: PackedQ4) -> torch.Tensor | None:
         """``x @ w.T`` for the 4-bit group-wise weight ``packed = pack_q4(q, scale, zero, x.dtype)``
         (no bias), summed in fp32, in x's dtype, for up to 8 rows of x (decode). None where the
@@ -400,6 +418,13 @@ def _self_check(k: CpuKernels) -> None:
         am[2] = float("-inf")
         val, idx = torch.max(am, dim=-1)
         checks.append(("row_argmax", k.row_argmax(am), (val.float(), idx.float())))
+        # gather_rows: a table of 6 rows in two chunks of 3, each stored column-major (a column
+        # stride of 3, a row offset of id % 3), in an order that crosses chunks
+        table = torch.randn(6, 5, generator=g).to(dtype)
+        parts = [table[:3].t().contiguous(), table[3:].t().contiguous()]
+        chunk_ptrs = torch.tensor([p.data_ptr() for p in parts])
+        got = k.gather_rows(chunk_ptrs, 3, torch.arange(6) % 3, 3, 5, dtype, torch.tensor([4, 0, 5, 2]))
+        checks.append(("gather_rows", got, table[[4, 0, 5, 2]]))
         for name, got, want in checks:
             for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
