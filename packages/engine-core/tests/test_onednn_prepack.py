@@ -93,8 +93,9 @@ def test_prepacked_model_equals_f_linear(name, dtype, model_dirs, monkeypatch):
     hidden = torch.randn(5, 64).to(packed.lm_head.weight.dtype)
     tol = 1e-5 if dtype == "float32" else 2e-2
     torch.testing.assert_close(packed.compute_logits(hidden), dense.compute_logits(hidden), atol=tol, rtol=tol)
+    want = dense.logits_processor.greedy_token_ids(dense.lm_head, hidden, chunk=100)
     greedy = packed.logits_processor.greedy_token_ids
-    assert torch.equal(greedy(packed.lm_head, hidden, chunk=100), greedy(packed.lm_head, hidden))
+    assert torch.equal(greedy(packed.lm_head, hidden, chunk=100), want) and torch.equal(greedy(packed.lm_head, hidden), want)
     # state_dict() shows the dense weights, exactly the loaded ones
     want, got = dense.state_dict(), packed.state_dict()
     assert want.keys() == got.keys()
@@ -150,6 +151,35 @@ def test_packed_head_looks_rows_up(dtype):
         head.lookup(torch.tensor([3, 1024]))
     with pytest.raises(IndexError):
         head.lookup(torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match="integers"):
+        head.lookup(torch.tensor([1.0]))
+    ids = torch.tensor([[7, 990]], dtype=torch.int32)
+    assert torch.equal(head.lookup(ids), weight[ids.long()])
+
+
+def test_row_layout_reads_column_pairs(monkeypatch):
+    """oneDNN's bf16 layouts keep columns in adjacent pairs, 64 rows side by side (its
+    ``OI16i64o2i`` and ``OI8i64o2i``); this CPU packs no bf16, so the fp32 buffer is laid out that
+    way here, and the layout read back says so: groups of 2 at a column stride of 128."""
+    offset, stride, group = onednn.row_layout(96, 40, torch.float32)
+    assert (stride, group) == (64, 1)
+    o, i = torch.arange(96)[:, None], torch.arange(40)
+    fp32_at = (offset[:, None] + i * stride).flatten()
+    pairs_at = (o // 64 * 64 * 40 + i // 2 * 128 + o % 64 * 2 + i % 2).flatten()
+    real = onednn._buffer
+
+    def in_pairs(packed):
+        buffer = real(packed)
+        out = torch.zeros_like(buffer)
+        out[pairs_at] = buffer[fp32_at]
+        return out
+
+    onednn.row_layout.cache_clear()
+    monkeypatch.setattr(onednn, "_buffer", in_pairs)
+    offset, stride, group = onednn.row_layout(96, 40, torch.float32)
+    assert (stride, group) == (128, 2) and torch.equal(offset, (o // 64 * 64 * 40 + o % 64 * 2).flatten())
+    monkeypatch.undo()
+    onednn.row_layout.cache_clear()
 
 
 def test_row_layout_refuses_what_it_cannot_express(monkeypatch):
@@ -167,6 +197,15 @@ def test_row_layout_refuses_what_it_cannot_express(monkeypatch):
     assert onednn.row_layout(96, 40, torch.float32) is None  # the first element twice, the last lost
     monkeypatch.undo()
     onednn.row_layout.cache_clear()
+
+
+def test_chunks_of_different_layouts_are_not_looked_up_in(monkeypatch):
+    """The kernel takes one column stride and group for all chunks: a last chunk laid out
+    otherwise leaves the lookup off (and the embedding its dense table)."""
+    real = onednn.row_layout
+    monkeypatch.setattr(onednn, "row_layout", lambda r, c, d: real(r, c, d)[:1] + ((64, 1) if r == 96 else (32, 1)))
+    assert not onednn.PackedHead(torch.randn(100, 40), 96).enable_lookup()
+    assert onednn.PackedHead(torch.randn(96 * 2, 40), 96).enable_lookup()
 
 
 def test_tied_embedding_stays_dense_without_the_kernels(model_dirs, monkeypatch):

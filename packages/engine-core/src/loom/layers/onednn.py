@@ -106,17 +106,23 @@ class PackedHead:
             return False  # a torch that cannot show a packed buffer
         layouts = [row_layout(hi - lo, self.cols, self.dtype) for lo, hi, _ in self.chunks]
         k = kernels()
-        if k is None or None in layouts or len({stride for _, stride in layouts}) != 1:
-            return False
-        offsets = torch.cat([offset for offset, _ in layouts])
+        if k is None or None in layouts or len({layout[1:] for layout in layouts}) != 1:  # type: ignore[index]
+            return False  # (and where chunks differ in stride or group: one of each for the kernel)
+        offsets = torch.cat([layout[0] for layout in layouts])  # type: ignore[index]
         pointers = torch.tensor([torch.ops.mkldnn.data_ptr(w) for _, _, w in self.chunks], dtype=torch.int64)
-        self._lookup = (k.gather_rows, pointers, self.chunk, offsets, layouts[0][1], self.cols, self.dtype)
+        stride, group = layouts[0][1:]  # type: ignore[index]
+        self._lookup = (k.gather_rows, pointers, self.chunk, offsets, stride, group, self.cols, self.dtype)
         return True
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """``F.embedding(ids, dense weight)``, bit for bit, from the packed chunks."""
-        gather, pointers, chunk, offsets, stride, cols, dtype = self._lookup  # type: ignore[misc]
-        return gather(pointers, chunk, offsets, stride, cols, dtype, ids).reshape(*ids.shape, cols)
+        if self._lookup is None:
+            raise RuntimeError("PackedHead.lookup before enable_lookup() said yes")
+        gather, pointers, chunk, offsets, stride, group, cols, dtype = self._lookup
+        rows = gather(pointers, chunk, offsets, stride, group, cols, dtype, ids)
+        if rows is None:
+            raise RuntimeError(f"the compiled gather_rows does not take {dtype}")
+        return rows.reshape(*ids.shape, cols)
 
     def to_dense(self) -> torch.Tensor:
         """The dense ``(rows, cols)`` weight, rebuilt (``state_dict()``)."""
@@ -134,10 +140,12 @@ _DIGIT_BITS = 7  # a probe weight holds 1 + digit / 128: exact in bf16 (7 mantis
 
 
 @functools.cache
-def row_layout(rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, int] | None:
+def row_layout(rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, int, int] | None:
     """Where oneDNN keeps each element of a packed ``(rows, cols)`` weight of ``dtype``:
-    ``(row_offset (rows,) int64, col_stride)``, element ``(r, i)`` being ``row_offset[r] + i *
-    col_stride`` elements into the buffer; None where the layout is not of that form.
+    ``(row_offset (rows,) int64, col_stride, group)``, element ``(r, i)`` being ``row_offset[r] +
+    (i // group) * col_stride + i % group`` elements into the buffer; None where the layout is
+    not of that form. oneDNN's fp32 layouts put 64 rows side by side (group 1, a column stride of
+    64 on this torch); its bf16 ones, for its bf16 dot products, pairs of columns (group 2).
 
     Read back rather than assumed: each probe packs a weight whose elements hold 7 bits of their
     own index (as 1 + digit / 128; the buffer's padding is 0), and the digits found at each
@@ -168,11 +176,16 @@ def row_layout(rows: int, cols: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     if (where < 0).any():
         return None  # not each element exactly once
     where = where.reshape(rows, cols)
-    stride = int(where[0, 1] - where[0, 0]) if cols > 1 else 1
+    run = where[0] - where[0, 0]
+    group = 1
+    while group < cols and run[group] == group:  # the first columns' run of adjacent elements
+        group += 1
+    stride = int(run[group]) if group < cols else group
     row_offset = where[:, 0].contiguous()
-    if not torch.equal(where, row_offset[:, None] + torch.arange(cols) * stride):
+    i = torch.arange(cols)
+    if not torch.equal(where, row_offset[:, None] + i // group * stride + i % group):
         return None
-    return row_offset, stride
+    return row_offset, stride, group
 
 
 def prepack_model(model: nn.Module) -> int:
@@ -213,7 +226,8 @@ def _drop_dense_head(model: nn.Module, weight: torch.Tensor, head: PackedHead) -
     the weight's shape (its dtype and device, for code that asks the model's parameters; no data,
     and NaN wherever something reads it anyway); an embedding among them then looks rows up in
     ``head``. Where ``head`` cannot serve lookups, a tied weight stays (an untied head's goes
-    regardless)."""
+    regardless). As with the packed linears, the weights cannot be loaded again after this (a
+    copy into the stub fails: it has one element)."""
     # here, not at the top: it imports .linear, which imports this module
     from .vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 

@@ -397,14 +397,15 @@ DEFINE_ARGMAX(bf16, bf16_t)
 /* ---- Embedding rows gathered from the LM head's oneDNN-packed chunks ----
  * A tied embedding looks its rows up in the weight the LM head keeps packed for oneDNN
  * (loom/layers/onednn.py), instead of in a second, dense copy. Row `id` lies in chunk
- * id / chunk_rows; its element i sits row_offset[id] + i * col_stride elements into that
- * chunk's buffer (a layout oneDNN chose and onednn.py read back by packing probe weights). A
- * copy, bit for bit. An id outside [0, rows) leaves its output row alone and makes the call
- * return 1: the caller raises, as F.embedding would. */
+ * id / chunk_rows; its elements come in runs of `group` adjacent ones (1 in oneDNN's fp32
+ * layouts, 2 in its bf16 ones), run k starting row_offset[id] + k * col_stride elements into that
+ * chunk's buffer (a layout onednn.py read back by packing probe weights). A copy, bit for bit. An
+ * id outside [0, rows) leaves its output row alone and makes the call return 1: the caller
+ * raises, as F.embedding would. */
 #define DEFINE_GATHER(NAME, T)                                                                     \
 int gather_rows_##NAME(const T *const *chunks, int64_t chunk_rows, const int64_t *row_offset,      \
-                       int64_t col_stride, int64_t cols, int64_t rows, const int64_t *ids,         \
-                       int64_t n, T *out, int nthreads) {                                          \
+                       int64_t col_stride, int64_t group, int64_t cols, int64_t rows,              \
+                       const int64_t *ids, int64_t n, T *out, int nthreads) {                      \
     int bad = 0;                                                                                   \
     _Pragma("omp parallel for if(n >= 256) num_threads(nthreads) schedule(static) reduction(|:bad)") \
     for (int64_t t = 0; t < n; t++) {                                                              \
@@ -412,8 +413,12 @@ int gather_rows_##NAME(const T *const *chunks, int64_t chunk_rows, const int64_t
         if (id < 0 || id >= rows) { bad = 1; continue; }                                           \
         const T *src = chunks[id / chunk_rows] + row_offset[id];                                   \
         T *dst = out + t * cols;                                                                   \
-        for (int64_t i = 0; i < cols; i++)                                                         \
-            dst[i] = src[i * col_stride];                                                          \
+        if (group == 1) {                                                                          \
+            for (int64_t i = 0; i < cols; i++) dst[i] = src[i * col_stride];                       \
+        } else {                                                                                   \
+            for (int64_t i = 0; i < cols; i += group, src += col_stride)                           \
+                for (int64_t j = 0; j < group && i + j < cols; j++) dst[i + j] = src[j];           \
+        }                                                                                          \
     }                                                                                              \
     return bad;                                                                                    \
 }

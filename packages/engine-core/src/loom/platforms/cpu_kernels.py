@@ -51,7 +51,7 @@ _ARGTYPES = {
     "q8_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
     "q4_linear": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _INT],
     "row_argmax": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
-    "gather_rows": [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT],
+    "gather_rows": [_PTR, _I64, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _INT],
     "qa_linear": [_INT, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT],
 }
 # q4_linear_bf16 takes the bf16 (scale, zero) pairs as one array: no separate zero pointer
@@ -289,19 +289,22 @@ class CpuKernels:
         return val, idx
 
     def gather_rows(self, chunks: torch.Tensor, chunk_rows: int, row_offset: torch.Tensor, col_stride: int,
-                    cols: int, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor | None:
+                    group: int, cols: int, dtype: torch.dtype, ids: torch.Tensor) -> torch.Tensor | None:
         """Rows ``ids`` of a table kept in chunks of ``chunk_rows`` rows at the addresses in
-        ``chunks`` (int64), element ``i`` of row ``r`` at ``row_offset[r] + i * col_stride``
-        elements into its chunk: ``(len(ids), cols)`` in ``dtype``. The caller keeps the chunks
-        alive and the layout true (``layers/onednn.py``); this checks the ids. None for a dtype
-        the kernel lacks; IndexError for an id outside the table."""
+        ``chunks`` (int64), element ``i`` of row ``r`` at ``row_offset[r] + (i // group) *
+        col_stride + i % group`` elements into its chunk: ``(len(ids), cols)`` in ``dtype``. The
+        caller keeps the chunks alive and the layout true (``layers/onednn.py``); this checks the
+        ids. None for a dtype the kernel lacks; IndexError for an id outside the table, and
+        RuntimeError for ids that are not integers, as ``F.embedding``."""
         fn = self._fns.get(("gather_rows", dtype))
         if fn is None:
             return None
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise RuntimeError(f"embedding ids must be integers (int64 or int32), not {ids.dtype}")
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), cols, dtype=dtype)
-        if native.call(fn, chunks.data_ptr(), chunk_rows, row_offset.data_ptr(), col_stride, cols, row_offset.numel(),
-                       ids.data_ptr(), ids.numel(), out.data_ptr(), torch.get_num_threads()):
+        if native.call(fn, chunks.data_ptr(), chunk_rows, row_offset.data_ptr(), col_stride, group, cols,
+                       row_offset.numel(), ids.data_ptr(), ids.numel(), out.data_ptr(), torch.get_num_threads()):
             raise IndexError(f"token id out of range: the embedding has {row_offset.numel()} rows")
         return out
 
@@ -419,12 +422,18 @@ def _self_check(k: CpuKernels) -> None:
         val, idx = torch.max(am, dim=-1)
         checks.append(("row_argmax", k.row_argmax(am), (val.float(), idx.float())))
         # gather_rows: a table of 6 rows in two chunks of 3, each stored column-major (a column
-        # stride of 3, a row offset of id % 3), in an order that crosses chunks
+        # stride of 3, a row offset of id % 3), in an order that crosses chunks; then columns in
+        # adjacent pairs (groups of 2, 5 columns padded to 6: pair k of row r at 6k + 2r)
         table = torch.randn(6, 5, generator=g).to(dtype)
         parts = [table[:3].t().contiguous(), table[3:].t().contiguous()]
         chunk_ptrs = torch.tensor([p.data_ptr() for p in parts])
-        got = k.gather_rows(chunk_ptrs, 3, torch.arange(6) % 3, 3, 5, dtype, torch.tensor([4, 0, 5, 2]))
+        got = k.gather_rows(chunk_ptrs, 3, torch.arange(6) % 3, 3, 1, 5, dtype, torch.tensor([4, 0, 5, 2]))
         checks.append(("gather_rows", got, table[[4, 0, 5, 2]]))
+        pairs = [torch.nn.functional.pad(p, (0, 1)).reshape(3, 3, 2).transpose(0, 1).contiguous() for p in
+                 (table[:3], table[3:])]
+        chunk_ptrs = torch.tensor([p.data_ptr() for p in pairs])
+        got = k.gather_rows(chunk_ptrs, 3, torch.arange(6) % 3 * 2, 6, 2, 5, dtype, torch.tensor([4, 0, 5, 2]))
+        checks.append(("gather_rows in pairs", got, table[[4, 0, 5, 2]]))
         for name, got, want in checks:
             for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
                 if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol):
