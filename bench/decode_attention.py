@@ -1,6 +1,6 @@
 """A decode step's attention over the paged cache, for batches whose contexts differ.
 
-The default model's heads (9 query heads, 3 KV heads of 64, bf16, blocks of 16 tokens), 30
+The default model's heads (9 query heads, 3 KV heads of 64, bf16 or ``--dtype``, blocks of 16 tokens), 30
 layers each with its own K/V cache (as a step reads them, mostly from memory), through the CPU
 paged-decode kernel (``loom.attention.backends.native``, the AVX512-BF16 kernel where the CPU
 has it). Each row: the best of ``--rounds`` passes over the 30 layers, and the nanoseconds a
@@ -10,6 +10,7 @@ token than a batch of one length.
 
     python bench/decode_attention.py
     python bench/decode_attention.py --threads 2 --rounds 30
+    python bench/decode_attention.py --dtype float32   # the dtype of CPUs without native bf16
 
 Random K/V and queries (the time depends on the lengths, not the values). On a shared machine,
 compare figures from the same minutes.
@@ -27,7 +28,7 @@ from loom.attention.backends import native
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
-def batch(contexts: list[int], g: torch.Generator) -> tuple:
+def batch(contexts: list[int], g: torch.Generator, dtype: torch.dtype) -> tuple:
     """Query rows, tables, contexts and 30 layers' caches for decode rows of these contexts."""
     blocks = [(c + BLOCK - 1) // BLOCK for c in contexts]
     order = torch.randperm(sum(blocks), generator=g)  # blocks scattered through the cache
@@ -36,9 +37,9 @@ def batch(contexts: list[int], g: torch.Generator) -> tuple:
     for i, n in enumerate(blocks):
         tables[i, :n] = order[used:used + n]
         used += n
-    caches = [tuple(torch.randn(used * BLOCK, KV_HEADS, HEAD_SIZE, generator=g).to(torch.bfloat16)
+    caches = [tuple(torch.randn(used * BLOCK, KV_HEADS, HEAD_SIZE, generator=g).to(dtype)
                     for _ in range(2)) for _ in range(LAYERS)]
-    query = torch.randn(len(contexts), HEADS * HEAD_SIZE, generator=g).to(torch.bfloat16)
+    query = torch.randn(len(contexts), HEADS * HEAD_SIZE, generator=g).to(dtype)
     rows = torch.arange(len(contexts))
     return query, rows, caches, tables, torch.tensor(contexts)
 
@@ -63,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
     args = parser.parse_args()
     if args.threads < 1 or args.rounds < 1:
         parser.error("--threads and --rounds must be at least 1")
@@ -80,10 +82,11 @@ def main() -> None:
         ("16 rows of 16..640, random", [rng.randint(16, 640) for _ in range(16)]),
         ("1 row of 2000", [2000]),
     ]
-    print(f"decode attention, {HEADS}/{KV_HEADS} heads of {HEAD_SIZE}, bf16, {LAYERS} layers, "
+    dtype = getattr(torch, args.dtype)
+    print(f"decode attention, {HEADS}/{KV_HEADS} heads of {HEAD_SIZE}, {args.dtype}, {LAYERS} layers, "
           f"{args.threads} threads, best of {args.rounds}")
     for name, contexts in batches:
-        ms = best_ms(kernel, batch(contexts, g), args.rounds)
+        ms = best_ms(kernel, batch(contexts, g, dtype), args.rounds)
         per_token = ms * 1e6 / (sum(contexts) * LAYERS)
         print(f"  {name:36s} {ms:7.2f} ms  {per_token:5.1f} ns a token a layer")
 
