@@ -130,7 +130,7 @@ def test_packed_lm_head_skips_padding_rows(bias):
     assert [hi - lo for lo, hi, _ in packed.packed_head.chunks][-1] == 1024 - 10 * 96
     torch.testing.assert_close(packed(head, hidden), want_logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(packed.greedy_token_ids(head, hidden), want)
-    assert torch.equal(packed.greedy_token_ids(head, hidden, chunk=100), want)  # another chunking: dense path
+    assert torch.equal(packed.greedy_token_ids(head, hidden, chunk=100), want)  # another chunking asked: the same ids
     assert (want < 1000).all()
 
 

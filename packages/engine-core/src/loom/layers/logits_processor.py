@@ -63,7 +63,7 @@ class LogitsProcessor(nn.Module):
         """``(lo, logits of rows lo:lo+chunk)`` over this rank's first ``rows`` vocabulary rows."""
         bias = getattr(lm_head, "bias", None)
         packed = self.packed_head
-        if packed is not None and (packed.chunk == chunk or getattr(lm_head, "row_source", None) is not None):  # no dense weight left
+        if packed is not None:  # its own chunks, whatever ``chunk`` asks: the dense weight may be gone
             for lo, hi, w in packed.chunks:
                 if lo >= rows:
                     break

@@ -98,8 +98,8 @@ class PackedHead:
         self._lookup: tuple | None = None
 
     def enable_lookup(self) -> bool:
-        """Make :meth:`lookup` work; False where this CPU has no compiled kernels or oneDNN's
-        layout of a chunk does not put a row's elements at one stride from a per-row offset."""
+        """Make :meth:`lookup` work; False where this CPU has no compiled kernels or a chunk's
+        layout is not one :func:`row_layout` can express (or differs between chunks)."""
         from ..platforms.cpu_kernels import kernels  # here: the platforms import the layers
 
         if not all(hasattr(torch.ops.mkldnn, op) for op in ("data_ptr", "_nbytes")):
@@ -111,18 +111,18 @@ class PackedHead:
         offsets = torch.cat([layout[0] for layout in layouts])  # type: ignore[index]
         pointers = torch.tensor([torch.ops.mkldnn.data_ptr(w) for _, _, w in self.chunks], dtype=torch.int64)
         stride, group = layouts[0][1:]  # type: ignore[index]
-        self._lookup = (k.gather_rows, pointers, self.chunk, offsets, stride, group, self.cols, self.dtype)
+        self._lookup = (k.gather_rows, pointers, offsets, stride, group)
         return True
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """``F.embedding(ids, dense weight)``, bit for bit, from the packed chunks."""
         if self._lookup is None:
             raise RuntimeError("PackedHead.lookup before enable_lookup() said yes")
-        gather, pointers, chunk, offsets, stride, group, cols, dtype = self._lookup
-        rows = gather(pointers, chunk, offsets, stride, group, cols, dtype, ids)
+        gather, pointers, offsets, stride, group = self._lookup
+        rows = gather(pointers, self.chunk, offsets, stride, group, self.cols, self.dtype, ids)
         if rows is None:
-            raise RuntimeError(f"the compiled gather_rows does not take {dtype}")
-        return rows.reshape(*ids.shape, cols)
+            raise RuntimeError(f"the compiled gather_rows does not take {self.dtype}")
+        return rows.reshape(*ids.shape, self.cols)
 
     def to_dense(self) -> torch.Tensor:
         """The dense ``(rows, cols)`` weight, rebuilt (``state_dict()``)."""
