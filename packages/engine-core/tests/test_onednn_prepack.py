@@ -241,3 +241,45 @@ def test_only_cpu_float32_and_bfloat16_are_packed():
     assert onednn.enabled_for(torch.zeros(4, 4, dtype=torch.bfloat16)) == BF16_PACKS
     assert not onednn.enabled_for(torch.zeros(4, 4, dtype=torch.float16))
     assert not onednn.enabled_for(torch.zeros(4, 4, device="meta"))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_many_fp32_rows_go_through_blas_on_a_dense_copy(bias, monkeypatch):
+    """Where ``blas_for_many_rows`` says so, fp32 inputs of ``DENSE_ROWS`` rows or more (a prefill
+    step's) multiply through F.linear on the packed weight's dense copy; fewer rows, bf16, or a
+    CPU where it says no stay on oneDNN. Both roads give F.linear's result."""
+    torch.manual_seed(0)
+    weight = torch.randn(96, 40)
+    b = torch.randn(96) if bias else None
+    packed = onednn.pack_weight(weight)
+    blas_calls = []
+    f_linear = torch.nn.functional.linear
+
+    def spy(x, w, bias=None):
+        blas_calls.append((x.shape[:-1], w.is_mkldnn))
+        return f_linear(x, w, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    rows = onednn.DENSE_ROWS
+    for here, shape, calls in [(True, (rows, 40), [((rows,), False)]), (True, (2, rows // 2, 40), [((2, rows // 2), False)]),
+                               (True, (rows - 1, 40), []), (False, (rows * 2, 40), [])]:
+        monkeypatch.setattr(onednn, "_blas_here", lambda here=here: here)
+        blas_calls.clear()
+        x = torch.randn(*shape)
+        got = onednn.linear(x, packed, b)
+        assert blas_calls == calls, (here, shape)
+        torch.testing.assert_close(got, f_linear(x, weight, b), atol=1e-4, rtol=1e-5)
+    if BF16_PACKS:  # bf16 is oneDNN's own GEMM either way: never copied
+        monkeypatch.setattr(onednn, "_blas_here", lambda: True)
+        blas_calls.clear()
+        onednn.linear(torch.randn(rows, 40, dtype=torch.bfloat16), onednn.pack_weight(weight.bfloat16()), None)
+        assert blas_calls == []
+
+
+def test_blas_for_many_rows_only_on_avx2_without_avx512():
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+    assert onednn.blas_for_many_rows(avx2, mkl=True)
+    assert not onednn.blas_for_many_rows(avx2, mkl=False)  # a torch without MKL: its BLAS not measured
+    assert not onednn.blas_for_many_rows(avx2 | {"avx512f", "avx512bw"}, mkl=True)
+    assert not onednn.blas_for_many_rows(frozenset({"sse4_2", "avx"}), mkl=True)
+    assert not onednn.blas_for_many_rows(frozenset(), mkl=True)  # not x86 (no flags line)

@@ -17,6 +17,13 @@ probe weights (:func:`row_layout`). Where that cannot be had (no compiled kernel
 of that form), the embedding keeps its dense table. For the default model in fp32 this is the
 113 MB second copy of its vocabulary.
 
+Many rows of fp32 on a CPU without AVX-512 (:func:`blas_for_many_rows`) take another road: from
+``DENSE_ROWS`` rows on (a prefill step's) the layer makes a dense copy of the weight for that
+one call and multiplies through ``F.linear`` (torch's BLAS, MKL in the x86 wheels), which runs
+those GEMMs 5-10% faster than oneDNN's AVX2 kernels on the packed weight; the copy costs 2-4%
+of the GEMM and lives only for the call. Decode steps' few rows stay on the packed weight,
+where oneDNN is the faster of the two by a fifth or more.
+
 Only on the CPU, for float32 and bfloat16 (bf16 where oneDNN packs it on this CPU: ``packs``),
 where torch was built with oneDNN;
 ``LOOM_CPU_PREPACK=0`` keeps ``F.linear``.
@@ -34,13 +41,19 @@ from loom_plugin_api.ops.quantized_linear import QuantizedLinear
 
 from .. import envs
 from ..logger import init_logger
+from ..platforms import cpu_features
 
 logger = init_logger("loom.layers.onednn")
 
-__all__ = ["PackedHead", "available", "linear", "pack_weight", "prepack_model", "row_layout"]
+__all__ = ["PackedHead", "available", "blas_for_many_rows", "linear", "pack_weight", "prepack_model", "row_layout"]
 
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
+DENSE_ROWS = 1024
+"""From this many rows on, fp32 goes through ``F.linear`` on a per-call dense copy where
+:func:`blas_for_many_rows` says so. On 2 cores of an AVX2 AMD EPYC (2026-12-07, the default
+model's four shapes, oneDNN against copy + ``F.linear``, GFLOP/s): 256 rows 156 / 126, 512
+159 / 154, 768 160 / 163, 1,024 159 / 165, 2,048 158 / 170."""
 
 
 @functools.cache
@@ -65,6 +78,19 @@ def packs(dtype: torch.dtype) -> bool:
     return True
 
 
+def blas_for_many_rows(flags: frozenset[str], mkl: bool) -> bool:
+    """Whether fp32 GEMMs of ``DENSE_ROWS`` or more rows go through torch's BLAS on a dense copy:
+    x86 with AVX2 and FMA but no AVX-512 (oneDNN then runs its AVX2 kernels), and torch built with
+    MKL. Elsewhere (AVX-512 CPUs, where oneDNN has its wider kernels; Arm) the packed weight
+    serves every row count: not measured to lose there."""
+    return mkl and {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
+@functools.cache
+def _blas_here() -> bool:
+    return blas_for_many_rows(cpu_features.cpu_flags(), torch.backends.mkl.is_available())
+
+
 def enabled_for(weight: torch.Tensor) -> bool:
     return (envs.LOOM_CPU_PREPACK and weight.device.type == "cpu" and not weight.is_mkldnn
             and packs(weight.dtype))
@@ -81,6 +107,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.
     if isinstance(weight, QuantizedLinear):
         return weight(x, bias)
     if weight.is_mkldnn:
+        if x.dtype == torch.float32 and x.numel() >= DENSE_ROWS * x.shape[-1] and _blas_here():
+            return F.linear(x, weight.to_dense(), bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
