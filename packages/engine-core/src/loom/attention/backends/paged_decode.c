@@ -414,9 +414,26 @@ int FN(                                                                         
                 }                                                                              \
                 softmax_rows(scores, nr, max_ctx, ctx - tb, chunks ? ml : NULL);              \
                 memset(acc, 0, sizeof(v8f) * (size_t)(nr * dv));                               \
-                for (int64_t u = tb; u < ctx; u++) {                                           \
-                    PREFETCH_TOKEN(v_cache, u + 8);                                            \
+                int64_t u = tb;                                                                \
+                for (; u + 2 <= ctx; u += 2) { /* two tokens a pass: each accumulator read and \
+                                                * written once for both */                    \
+                    PREFETCH_TOKEN(v_cache, u + 8); PREFETCH_TOKEN(v_cache, u + 9);            \
                     if ((u & 3) == 0) prefetch_some(&pf);                                      \
+                    const T *va = v_cache + SLOT(u) * row + kh0 * D;                           \
+                    const T *vb = v_cache + SLOT(u + 1) * row + kh0 * D;                       \
+                    for (int64_t kh = kh0; kh < kh1; kh++) {                                   \
+                        const int64_t o = (kh - kh0) * D, rb = (kh - kh0) * g;                 \
+                        for (int64_t d = 0; d < dv; d++) {                                     \
+                            const v8f xa = load_##NAME(va + o + 8 * d), xb = load_##NAME(vb + o + 8 * d); \
+                            for (int64_t r = rb; r < rb + g; r++) {                            \
+                                const float *sr = scores + r * max_ctx + u - tb;               \
+                                acc[r * dv + d] += sr[0] * xa + sr[1] * xb;                    \
+                            }                                                                  \
+                        }                                                                      \
+                    }                                                                          \
+                }                                                                              \
+                for (; u < ctx; u++) {                                                         \
+                    PREFETCH_TOKEN(v_cache, u + 8);                                            \
                     const T *v0 = v_cache + SLOT(u) * row + kh0 * D;                           \
                     for (int64_t kh = kh0; kh < kh1; kh++) { /* each V vector widened once */ \
                         const T *vr = v0 + (kh - kh0) * D;                                     \
