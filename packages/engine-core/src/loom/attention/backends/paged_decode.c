@@ -180,14 +180,35 @@ void paged_decode_thread_share(const int64_t *cost, int64_t n, int nt, int tid, 
     thread_share(cost, n, nt, tid, lo, hi);
 }
 
-/* each of nr rows (row stride `stride`) of scores: softmax over its first ctx values, in place;
- * where ml is not NULL, ml[2r] and ml[2r + 1] receive row r's max and sum of exponentials (what a
- * later merge of softmaxes over parts of a context needs) */
-static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64_t ctx, float *ml) {
+/* the largest of a row's first ctx >= 1 scores, eight lanes at a time (GCC does not vectorize the
+ * scalar loop's compare-and-select: 9 ns a token a layer of the fp32 kernel's 80); a max is exact
+ * in any order, and a NaN is kept or skipped as the scalar loop does */
+static inline float row_max(const float *sr, int64_t ctx) {
+    float m = sr[0];
+    int64_t u = 1;
+    if (ctx >= 8) {
+        v8f vm = load_f32(sr);
+        for (u = 8; u + 8 <= ctx; u += 8) {
+            const v8f x = load_f32(sr + u);
+            const v8i gt = x > vm;
+            vm = (v8f)(((v8i)x & gt) | ((v8i)vm & ~gt));
+        }
+        m = vm[0];
+        for (int i = 1; i < 8; i++) m = vm[i] > m ? vm[i] : m;
+    }
+    for (; u < ctx; u++) m = sr[u] > m ? sr[u] : m;
+    return m;
+}
+
+/* each of nr rows (row stride `stride`) of scores: exponentials of the softmax over its first ctx
+ * values, in place, divided by their sum where `normalize` is set; where ml is not NULL, ml[2r]
+ * and ml[2r + 1] receive row r's max and sum of exponentials (what a later merge of softmaxes
+ * over parts of a context needs, or a caller that divides after P.V) */
+static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64_t ctx, float *ml, int normalize) {
     for (int64_t r = 0; r < nr; r++) {
         float *sr = scores + r * stride;
-        float m = sr[0], sum = 0.f;
-        for (int64_t u = 1; u < ctx; u++) m = sr[u] > m ? sr[u] : m;
+        const float m = row_max(sr, ctx);
+        float sum = 0.f;
         int64_t u = 0;
         v8f vsum = {0};
         for (; u + 8 <= ctx; u += 8) {
@@ -198,6 +219,7 @@ static inline void softmax_rows(float *scores, int64_t nr, int64_t stride, int64
         for (; u < ctx; u++) { sr[u] = expf(sr[u] - m); sum += sr[u]; }
         sum += hsum(vsum);
         if (ml) ml[2 * r] = m, ml[2 * r + 1] = sum;
+        if (!normalize) continue;
         const float inv = 1.f / sum;
         for (u = 0; u < ctx; u++) sr[u] *= inv;
     }
@@ -412,7 +434,8 @@ int FN(                                                                         
                         scores[r * max_ctx + t - tb] = hsum(a0);                               \
                     }                                                                          \
                 }                                                                              \
-                softmax_rows(scores, nr, max_ctx, ctx - tb, chunks ? ml : NULL);              \
+                /* P unnormalized: the rows' accumulators are divided by their sums after P.V */ \
+                softmax_rows(scores, nr, max_ctx, ctx - tb, ml, 0);                            \
                 memset(acc, 0, sizeof(v8f) * (size_t)(nr * dv));                               \
                 int64_t u = tb;                                                                \
                 for (; u + 2 <= ctx; u += 2) { /* two tokens a pass: each accumulator read and \
@@ -444,6 +467,10 @@ int FN(                                                                         
                                 acc[r * dv + d] += scores[r * max_ctx + u - tb] * x;           \
                         }                                                                      \
                     }                                                                          \
+                }                                                                              \
+                for (int64_t r = 0; r < nr; r++) {                                             \
+                    const float inv = ml[2 * r + 1] > 0.f ? 1.f / ml[2 * r + 1] : 0.f; /* no context: zeros */ \
+                    for (int64_t d = 0; d < dv; d++) acc[r * dv + d] *= inv;                   \
                 }                                                                              \
                 if (chunks) { /* fp32 P.V, max and sum a head, for the merge */                \
                     for (int64_t r = 0; r < nr; r++) {                                         \

@@ -299,7 +299,7 @@ static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq
     for (int64_t h = 0; h < nh; h++) {
         float *sr = scores + h * stride;
         const int64_t c = ctx_of[h / g];
-        softmax_rows(sr, 1, stride, c, NULL);
+        softmax_rows(sr, 1, stride, c, NULL, 1);
         for (int64_t u = 0; u < c; u++) { /* P rounded to bf16, where torch's flash kernel rounds it */
             const uint32_t b = (uint32_t)f32_to_bf16(sr[u]) << 16;
             memcpy(sr + u, &b, sizeof b);
