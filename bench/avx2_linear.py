@@ -8,7 +8,7 @@ nine, five and four). This measures, for the default model's shapes (30 layers o
 o 576x576, gate/up 3072x576, down 576x1536, each layer with its own weights, so they come from
 memory as in a step) and M rows of activations, three ways:
 
-- ``onednn``: the packed weight, what loom's CPU layers run;
+- ``onednn``: oneDNN on the packed weight, what loom's CPU layers run for a decode step's rows;
 - ``F.linear``: torch's plain ``(out, in)`` weight (MKL);
 - ``avx2``: ``bench/avx2_linear.c``, a prototype: the weight packed once in 16-column panels, the
   threads taking equal shares of the panels, each panel walked in blocks of 256 of K that stay
@@ -137,7 +137,8 @@ def main() -> None:
         with torch.inference_mode():
             for m in args.rows:
                 xs = {kk: torch.randn(m, kk, generator=g) for kk in {kk for _, kk in SHAPES}}
-                paths = {"onednn": lambda xs=xs: [onednn.linear(xs[w.shape[1]], p, None) for w, p in zip(weights, packed)],
+                paths = {"onednn": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                                  for w, p in zip(weights, packed)],
                          "F.linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights],
                          "avx2": lambda xs=xs: [avx2_linear(k, xs[w.k], w) for w in ours]}
                 for name, ms in median_ms(paths, args.rounds).items():

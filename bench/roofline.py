@@ -111,19 +111,26 @@ def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, kv_cache_dtype: st
 
 def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> tuple[float, float]:
     """Median seconds of (m, k) x (n, k) with ``F.linear`` and with the weight prepacked for oneDNN
-    (what loom's CPU layers run, ``loom.layers.onednn``; inf where this torch cannot), after
+    (what loom's CPU layers run at a decode step's rows, ``loom.layers.onednn``; inf where this
+    torch cannot; oneDNN's own call, where ``onednn.linear`` hands many fp32 rows to BLAS), after
     warm-up. The weight cycles through ``copies`` tensors (``step_copies``), so it comes from
     where the weights of a whole step live. The bound takes the faster of the two."""
     x, ws = torch.randn(m, k, dtype=dtype), [torch.randn(n, k, dtype=dtype) for _ in range(copies)]
     b = torch.randn(n, dtype=dtype) if bias else None
     packed = [onednn.pack_weight(w) for w in ws] if onednn.available() and dtype in onednn.DTYPES else None
 
+    def run(w: torch.Tensor) -> None:  # oneDNN itself for a packed weight (onednn.linear may not call it)
+        if w.is_mkldnn:
+            torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        else:
+            torch.nn.functional.linear(x, w, b)
+
     def median(weights: list[torch.Tensor]) -> float:
         times = []
         with torch.inference_mode():
             for i in range(200):
                 start = time.perf_counter()
-                onednn.linear(x, weights[i % copies], b)
+                run(weights[i % copies])
                 times.append(time.perf_counter() - start)
                 if i >= max(12, copies + 3) and sum(times[3:]) > 0.3:
                     break

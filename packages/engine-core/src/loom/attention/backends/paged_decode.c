@@ -180,15 +180,16 @@ void paged_decode_thread_share(const int64_t *cost, int64_t n, int nt, int tid, 
     thread_share(cost, n, nt, tid, lo, hi);
 }
 
-/* the largest of a row's first ctx >= 1 scores, eight lanes at a time (GCC does not vectorize the
- * scalar loop's compare-and-select: 9 ns a token a layer of the fp32 kernel's 80); a max is exact
- * in any order, and a NaN is kept or skipped as the scalar loop does */
+/* the largest of a row's first ctx scores (sr[0] where ctx < 1), eight lanes at a time (GCC does
+ * not vectorize the scalar loop's compare-and-select: 9 ns a token a layer of the fp32 kernel's
+ * 80). Every lane starts from sr[0], so a NaN is kept or skipped exactly as the scalar loop does
+ * (kept only where sr[0] is one); a max is exact in any order. */
 static inline float row_max(const float *sr, int64_t ctx) {
     float m = sr[0];
-    int64_t u = 1;
+    int64_t u = 0;
     if (ctx >= 8) {
-        v8f vm = load_f32(sr);
-        for (u = 8; u + 8 <= ctx; u += 8) {
+        v8f vm = (v8f){0} + sr[0];
+        for (; u + 8 <= ctx; u += 8) {
             const v8f x = load_f32(sr + u);
             const v8i gt = x > vm;
             vm = (v8f)(((v8i)x & gt) | ((v8i)vm & ~gt));
@@ -469,7 +470,7 @@ int FN(                                                                         
                     }                                                                          \
                 }                                                                              \
                 for (int64_t r = 0; r < nr; r++) {                                             \
-                    const float inv = ml[2 * r + 1] > 0.f ? 1.f / ml[2 * r + 1] : 0.f; /* no context: zeros */ \
+                    const float inv = ctx > tb ? 1.f / ml[2 * r + 1] : 0.f; /* no context: zeros; NaN stays */ \
                     for (int64_t d = 0; d < dv; d++) acc[r * dv + d] *= inv;                   \
                 }                                                                              \
                 if (chunks) { /* fp32 P.V, max and sum a head, for the merge */                \
