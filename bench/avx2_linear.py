@@ -30,29 +30,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from loom.layers import onednn
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer, as loom fuses them
-LAYERS = 30
+sys.path.insert(0, os.path.dirname(__file__))
+from amx_linear import LAYERS, SHAPES, compile_here, median_ms  # noqa: E402  (the bf16 AMX prototype's harness)
 
 
 def build(root: str) -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        sys.exit("no C compiler (cc or gcc on PATH, or CC)")
-    src, lib = os.path.join(os.path.dirname(__file__), "avx2_linear.c"), os.path.join(root, "avx2_linear.so")
-    subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", lib, src], check=True)
-    k = ctypes.CDLL(lib)
+    k = compile_here("avx2_linear", root)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     k.avx2_linear.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
     k.avx2_pack.argtypes = [ptr, i64, i64, ptr]
@@ -101,16 +91,6 @@ def check(k: ctypes.CDLL) -> None:
                 if errs[0] > max(3 * errs[1], 1e-4):
                     sys.exit(f"avx2_linear is wrong at {m} x {kk} -> {n} (bias: {with_bias}): "
                              f"error {errs[0]:.3g}, F.linear's {errs[1]:.3g}")
-
-
-def median_ms(paths: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(rounds + 1):  # the first round warms up
-        for name, run in paths.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
 
 
 def main() -> None:
