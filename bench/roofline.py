@@ -3,11 +3,11 @@
 For each model: the FLOPs of every linear layer of the workload (from the model's config,
 per token through the layers; the LM head only where loom samples: the last prompt token
 and each decode step), each of those shapes timed on this machine at the batch sizes the
-scheduler runs (the prefill token budget, the decode batch) with ``F.linear`` and with the
-oneDNN-prepacked weight loom's CPU layers use, each cycling through copies of its weight that
-add up to all the weights of a step (so each comes from where a step's weights live: cache
-for a tiny model, memory for a real one), and the bound = those FLOPs at the faster of the
-two speeds. Then loom's output tok/s (``offline_throughput.run_loom``) as % of the bound, and
+scheduler runs (the prefill token budget, the decode batch) with ``F.linear``, with the
+oneDNN-prepacked weight and, in fp32 on AVX2 CPUs, with loom's own GEMM on the weight's panels
+(``platforms/cpu_gemm.c``), each cycling through copies of its weight that add up to all the
+weights of a step (so each comes from where a step's weights live: cache for a tiny model,
+memory for a real one), and the bound = those FLOPs at the fastest of those speeds. Then loom's output tok/s (``offline_throughput.run_loom``) as % of the bound, and
 (unless ``--no-profile``) two more runs of the workload on a fresh engine, each with new
 prompts so that the prefix cache cannot help: one timed per step, one under
 ``torch.profiler``. Steps are split into prefill steps (prompt tokens scheduled; decodes of
@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from loom.attention.backends import kv_int8, native
 from loom.layers import onednn
+from loom.platforms import cpu_gemm
 from loom.worker import cpu_step_replay
 from loom_plugin_api import custom_op
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -77,7 +78,7 @@ SPLIT = {("sampling", "GEMMs"): "embedding & LM head"}
 # Ops outside any module scope (and their children), by name.
 OPS = [
     (re.compile(r"addmm|::mm$|::bmm$|::linear$|::matmul$|mkldnn|onednn"), "GEMMs"),
-    (re.compile(r"q4_linear|q8_linear|qa_linear"), "GEMMs"),  # the CPU kernels of weights kept quantized
+    (re.compile(r"q4_linear|q8_linear|qa_linear|panel_linear"), "GEMMs"),  # the CPU kernels of quantized weights, and the fp32 panel GEMM
     (re.compile(r"scaled_dot_product|flash_attention|index_copy|paged_decode|paged_prefill|kv_write"), "attention"),
     (re.compile(r"rotary"), "rotary embedding"),
     (re.compile(r"layer_norm|rms_norm|gelu|silu|relu"), "norms & activations"),
@@ -109,23 +110,30 @@ def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, kv_cache_dtype: st
     return 2 * model_config.get_num_layers() * row
 
 
-def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> tuple[float, float]:
-    """Median seconds of (m, k) x (n, k) with ``F.linear`` and with the weight prepacked for oneDNN
-    (what loom's CPU layers run at a decode step's rows, ``loom.layers.onednn``; inf where this
-    torch cannot; oneDNN's own call, where ``onednn.linear`` hands many fp32 rows to BLAS), after
-    warm-up. The weight cycles through ``copies`` tensors (``step_copies``), so it comes from
-    where the weights of a whole step live. The bound takes the faster of the two."""
+def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> dict[str, float]:
+    """Median seconds of (m, k) x (n, k) by each GEMM this machine has for it: ``F.linear``; the
+    weight prepacked for oneDNN (oneDNN's own call, also where ``onednn.linear`` hands many fp32
+    rows to BLAS; inf where this torch cannot); and loom's own fp32 GEMM on the weight's panels
+    (``platforms/cpu_gemm.c``, on AVX2 CPUs; inf elsewhere), after warm-up. The weight cycles
+    through ``copies`` tensors (``step_copies``), so it comes from where the weights of a whole
+    step live. The bound takes the fastest."""
     x, ws = torch.randn(m, k, dtype=dtype), [torch.randn(n, k, dtype=dtype) for _ in range(copies)]
     b = torch.randn(n, dtype=dtype) if bias else None
-    packed = [onednn.pack_weight(w) for w in ws] if onednn.available() and dtype in onednn.DTYPES else None
+    forms: dict[str, list[torch.Tensor] | None] = {"F.linear": ws, "oneDNN": None, "panels": None}
+    if onednn.available() and dtype in onednn.DTYPES:
+        forms["oneDNN"] = [onednn.pack_weight(w) for w in ws]
+    if dtype == torch.float32 and n % cpu_gemm.PANEL == 0 and onednn._panel_gemm() is not None:
+        forms["panels"] = [cpu_gemm.to_panels(w) for w in ws]
 
     def run(w: torch.Tensor) -> None:  # oneDNN itself for a packed weight (onednn.linear may not call it)
         if w.is_mkldnn:
             torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
         else:
-            torch.nn.functional.linear(x, w, b)
+            onednn.linear(x, w, b)  # F.linear, or the panel GEMM for a 3-D weight
 
-    def median(weights: list[torch.Tensor]) -> float:
+    def median(weights: list[torch.Tensor] | None) -> float:
+        if weights is None:
+            return float("inf")
         times = []
         with torch.inference_mode():
             for i in range(200):
@@ -136,7 +144,7 @@ def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: 
                     break
         return statistics.median(times[3:])
 
-    return median(ws), median(packed) if packed else float("inf")
+    return {name: median(weights) for name, weights in forms.items()}
 
 
 def step_copies(k: int, n: int, step_bytes: int, itemsize: int, at_least: int) -> int:
@@ -165,7 +173,7 @@ def roofline(cfg: Any, dtype: torch.dtype, args: argparse.Namespace, engine_conf
     timed += [("lm_head", ph, m_lm[ph], lm_in, vocab, time_linear(m_lm[ph], lm_in, vocab, False, dtype,
                                                                   step_copies(lm_in, vocab, step_bytes, size, 1)))
               for ph in m]
-    rows = [(*shape, min(ts)) for *shape, ts in timed]
+    rows = [(*shape, min(ts.values())) for *shape, ts in timed]
     t_layers = {ph: L * sum(t for name, p, *_, t in rows if p == ph and name != "lm_head") for ph in m}
     t_lm = {p: t for name, p, *_, t in rows if name == "lm_head"}
     tokens = {"prefill": P * In, "decode": P * (Out - 1)}  # through the layers (the last sample is not fed back)
@@ -329,11 +337,11 @@ def run_model(name: str, args: argparse.Namespace, root: str) -> tuple[float, di
     engine = dict(dtype=args.dtype, max_model_len=max(args.input_len + args.output_len, 512),
                   kv_cache_dtype=args.kv_cache_dtype)  # as run_loom's
     r = roofline(cfg, getattr(torch, args.dtype), args, EngineArgs(model=model, **engine).create_engine_config())
-    print(f"\n## {name} ({args.dtype})\n\n| linear (step) | m x k -> n | ms, the faster | GFLOP/s F.linear | "
-          "GFLOP/s prepacked |\n|---|---|---|---|---|")
-    for lin, ph, m, k, n, (dense, packed) in r["timed"]:
-        rate = [f"{2 * m * k * n / t / 1e9:,.0f}" if t < float("inf") else "-" for t in (dense, packed)]
-        print(f"| {lin} ({ph}) | {m} x {k} -> {n} | {min(dense, packed) * 1e3:.3f} | {rate[0]} | {rate[1]} |")
+    print(f"\n## {name} ({args.dtype})\n\n| linear (step) | m x k -> n | ms, the fastest | GFLOP/s F.linear | "
+          "GFLOP/s oneDNN | GFLOP/s loom's panels |\n|---|---|---|---|---|---|")
+    for lin, ph, m, k, n, times in r["timed"]:
+        rate = [f"{2 * m * k * n / t / 1e9:,.0f}" if t < float("inf") else "-" for t in times.values()]
+        print(f"| {lin} ({ph}) | {m} x {k} -> {n} | {min(times.values()) * 1e3:.3f} | {' | '.join(rate)} |")
     print(f"\n| figure | value |\n|---|---|\n| layer GEMMs per token | {si(r['per_token'], 'FLOP')} |\n"
           f"| LM head per sampled token | {si(r['lm_flops'], 'FLOP')} |\n| workload GEMMs | {si(r['flops'], 'FLOP')} |\n"
           f"| attention QK/PV, causal (not in the bound) | {si(r['attn_flops'], 'FLOP')} |\n"

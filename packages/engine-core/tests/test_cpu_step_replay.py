@@ -7,10 +7,12 @@ import ctypes
 import pytest
 import torch
 import torch.nn as nn
-from loom import platforms
+from loom import envs, platforms
+from loom.layers import onednn
 from loom.layers.attention import Attention
+from loom.layers.linear import LinearBase
 from loom.model_loader import get_model
-from loom.platforms import cpu_kernels, cpu_qdot
+from loom.platforms import cpu_features, cpu_kernels, cpu_qdot
 from loom.worker import cpu_step_replay
 from loom.worker.cpu_step_replay import StepGraph, StepReplayError
 from loom_plugin_api import AttentionMetadata, custom_op
@@ -21,14 +23,27 @@ CPU = platforms.current_platform.is_cpu()
 """Under another platform (the dummy session) the model runs that platform's ops and attention,
 none of them a compiled kernel: capture is refused, which the model tests check instead."""
 
+PANELS = CPU and onednn.panels_for_fp32(cpu_features.cpu_flags())
+"""Where the fp32 linears run in loom's own GEMM (``platforms/cpu_gemm.c``) unless told not to."""
 MAX_BLOCKS = 12
 BLOCK = 4  # small blocks: the decode steps below cross several block boundaries
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
+    yield from _llama(tmp_path_factory, panel_gemm=True)
+
+
+@pytest.fixture(scope="module")
+def llama_onednn(tmp_path_factory):
+    """The same model with its fp32 linears on oneDNN where loom's own GEMM would run them."""
+    yield from _llama(tmp_path_factory, panel_gemm=False)
+
+
+def _llama(tmp_path_factory, panel_gemm: bool):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    envs._disable_envs_cache_for_tests()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -37,7 +52,9 @@ def llama(tmp_path_factory):
     LlamaForCausalLM(config).float().save_pretrained(path)
     saved = dict(custom_op.kernel_registry)
     assert cpu_kernels.install()  # RMSNorm, SiLU-and-mul, rotary through the C kernels, as in a CPU worker
-    model = get_model(make_config(str(path)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOOM_CPU_PANEL_GEMM", "1" if panel_gemm else "0")
+        model = get_model(make_config(str(path)))
     # on the CPU platform tied and packed, as the default model is: the embedding's rows come from
     # the packed LM head through a compiled kernel, whose calls a replay makes again with the new
     # tokens. Untied elsewhere (the dummy session): its step then calls no compiled kernel at all,
@@ -59,12 +76,15 @@ def _eager(model, ids, pos, md):
         return model(ids, pos).clone()
 
 
+@pytest.mark.parametrize("gemm", ["loom's own where it runs", "oneDNN"])
 @pytest.mark.parametrize("prompts", [[[7, 250, 3, 99, 41]], [[7, 250, 3, 99, 41], [5], [9, 8, 7, 6, 5, 4, 3, 2, 1]]])
 @torch.inference_mode()
-def test_replayed_steps_equal_eager_steps(llama, prompts):
+def test_replayed_steps_equal_eager_steps(request, prompts, gemm):
     """Capture the first decode step (one request, or a batch of three with different contexts),
     then for 20 more (new tokens, positions, slots, context lengths, block tables that grow) the
-    replay gives the eager step's hidden states exactly and writes the K/V caches as it does."""
+    replay gives the eager step's hidden states exactly and writes the K/V caches as it does;
+    with the fp32 linears in loom's own GEMM (AVX2 CPUs) and in oneDNN."""
+    llama = request.getfixturevalue("llama" if gemm != "oneDNN" else "llama_onednn")
     batch = len(prompts)
     h = ModelRunnerHarness(llama, block_size=BLOCK, max_blocks_per_req=MAX_BLOCKS, max_reqs=batch)
     logits = h.step(dict(enumerate(prompts)))
@@ -98,8 +118,15 @@ def test_replayed_steps_equal_eager_steps(llama, prompts):
     tapes = [fn for fn, _ in graph._runs if isinstance(fn, cpu_step_replay._Tape)]
     assert sum(t._n for t in tapes) == sum(isinstance(fn, ctypes._CFuncPtr) for fn, _ in graph._ops) > 0
     assert not any(isinstance(fn, ctypes._CFuncPtr) for fn, _ in graph._runs)
-    # the linear layers' results, which only kernels read, were not copied into captured buffers
-    assert sum(fn is cpu_step_replay._again_repointed for fn, _ in graph._runs) >= 4 * 2
+    linears = [m for m in llama.modules() if isinstance(m, LinearBase)]
+    assert all(m.weight.dim() == 3 for m in linears) == (gemm != "oneDNN" and PANELS)
+    if gemm != "oneDNN" and PANELS:
+        # loom's fp32 GEMM (AVX2 CPUs): each linear layer is one more call on the tape
+        calls = [fn for fn, _ in graph._ops if getattr(fn, "__name__", "") == "panel_linear_f32"]
+        assert len(calls) == len(linears) == 4 * 2
+    else:
+        # oneDNN's: the linear layers' results, which only kernels read, were not copied into captured buffers
+        assert sum(fn is cpu_step_replay._again_repointed for fn, _ in graph._runs) >= 4 * 2
 
 
 @torch.inference_mode()

@@ -1,4 +1,5 @@
-"""CPU linear layers on oneDNN-prepacked weights (``loom.layers.onednn``) compute what F.linear does."""
+"""CPU linear layers on prepacked weights (``loom.layers.onednn``: oneDNN's layout, or loom's panels
+on AVX2 CPUs) compute what F.linear does."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def _cpu_flags() -> set[str]:
 
 # oneDNN's bf16 reorder needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; an AVX2-only CPU has neither
 BF16_PACKS = {"avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags() or "avx_ne_convert" in _cpu_flags()
+# fp32 layers hold panels for loom's own GEMM on AVX2 + FMA without AVX-512 (test_cpu_gemm.py
+# checks that the kernel compiles there), oneDNN's layout elsewhere
+PANELS = {"avx2", "fma"} <= _cpu_flags() and "avx512f" not in _cpu_flags()
+
+
+def _form(weight: torch.Tensor) -> str:
+    return "panels" if weight.dim() == 3 else "onednn" if weight.is_mkldnn else "dense"
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +85,9 @@ def test_prepacked_model_equals_f_linear(name, dtype, model_dirs, monkeypatch):
     packed = _load(model_dirs[name], dtype, True, monkeypatch)
     linears = [m for m in packed.modules() if isinstance(m, LinearBase)]
     packs = dtype == "float32" or BF16_PACKS  # elsewhere the bf16 weights stay dense (F.linear)
-    assert linears and all(m.weight.is_mkldnn == packs for m in linears)
-    assert not any(m.weight.is_mkldnn for m in dense.modules() if isinstance(m, LinearBase))
+    form = "panels" if dtype == "float32" and PANELS else "onednn" if packs else "dense"
+    assert linears and all(_form(m.weight) == form for m in linears)
+    assert all(_form(m.weight) == "dense" for m in dense.modules() if isinstance(m, LinearBase))
     assert (packed.logits_processor.packed_head is not None) == packs and dense.logits_processor.packed_head is None
     # the LM head's dense weight is gone once packed; a tied embedding then reads the packed rows,
     # every one of them (padding too) exactly as the dense table holds it
@@ -100,7 +109,8 @@ def test_prepacked_model_equals_f_linear(name, dtype, model_dirs, monkeypatch):
     want, got = dense.state_dict(), packed.state_dict()
     assert want.keys() == got.keys()
     for key in want:
-        assert not got[key].is_mkldnn and torch.equal(got[key], want[key]), key
+        assert _form(got[key]) == "dense", key
+        assert torch.equal(got[key], want[key]), key
     # the same logits: the same oneDNN GEMM in bf16, float rounding apart in fp32
     for a, b in zip(run_prefill(dense, PROMPTS), run_prefill(packed, PROMPTS)):
         tol = 1e-5 if dtype == "float32" else 2e-2

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from loom import envs
-from loom.layers import quantized
+from loom.layers import onednn, quantized
 from loom.layers.quantized import CpuQuantizedWeight, cpu_quantized_linear, quantize_rtn
 from loom.model_loader import get_model
 from loom.model_loader.gguf_quant import (
@@ -187,7 +187,7 @@ def test_cpu_kernel_matches_the_dequantized_weight(qtype, dtype, rows):
         assert ((got - x.float() @ w.t()).abs() <= bound).all()
         return
     exact = weight.dequantize()
-    dense = prepared.dense.to_dense() if prepared.dense.is_mkldnn else prepared.dense
+    dense = onednn.dense(prepared.dense)  # (oneDNN-packed or in panels where enabled)
     assert torch.equal(dense, exact.to(dtype))  # the copy for large batches: the file's weights
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(dtype)
     bias = torch.randn(96).to(dtype)

@@ -24,9 +24,18 @@ those GEMMs 5-10% faster than oneDNN's AVX2 kernels on the packed weight; the co
 of the GEMM and lives only for the call. Decode steps' few rows stay on the packed weight,
 where oneDNN is the faster of the two by a fifth or more.
 
+Where loom's own fp32 GEMM runs (:func:`panels_for_fp32`: x86 with AVX2 and FMA but no AVX-512,
+and the CPU kernels compiled), fp32 layers hold their weight as its panel tensor instead
+(``platforms/cpu_gemm.py``: ``(out / 16, in, 16)``, out a multiple of 16) and multiply through
+that kernel at every row count: on 2 cores of an AVX2 AMD EPYC it runs a decode step's 64 rows a
+fifth faster than oneDNN, and a prefill step's at MKL's speed without the dense copy. The LM head
+stays with oneDNN (its chunks serve the tied embedding's lookups). ``LOOM_CPU_PANEL_GEMM=0``
+keeps oneDNN for them too.
+
 Only on the CPU, for float32 and bfloat16 (bf16 where oneDNN packs it on this CPU: ``packs``),
 where torch was built with oneDNN;
-``LOOM_CPU_PREPACK=0`` keeps ``F.linear``.
+``LOOM_CPU_PREPACK=0`` keeps ``F.linear``. :func:`pack` makes a layer's packed weight,
+:func:`linear` multiplies by any of the three forms and :func:`dense` gives the dense one back.
 """
 
 from __future__ import annotations
@@ -41,11 +50,12 @@ from loom_plugin_api.ops.quantized_linear import QuantizedLinear
 
 from .. import envs
 from ..logger import init_logger
-from ..platforms import cpu_features
+from ..platforms import cpu_features, cpu_gemm
 
 logger = init_logger("loom.layers.onednn")
 
-__all__ = ["PackedHead", "available", "blas_for_many_rows", "linear", "pack_weight", "prepack_model", "row_layout"]
+__all__ = ["PackedHead", "available", "blas_for_many_rows", "dense", "linear", "pack", "pack_weight", "panels_for_fp32",
+           "prepack_model", "row_layout"]
 
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
@@ -91,9 +101,39 @@ def _blas_here() -> bool:
     return blas_for_many_rows(cpu_features.cpu_flags(), torch.backends.mkl.is_available())
 
 
+def panels_for_fp32(flags: frozenset[str]) -> bool:
+    """Whether fp32 layers run loom's panel GEMM (``platforms/cpu_gemm.c``) on a CPU with these
+    flags: x86 with AVX2 and FMA, no AVX-512 (where oneDNN has kernels twice as wide; not
+    measured against them)."""
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
+@functools.cache
+def _panel_gemm() -> cpu_gemm.PanelGemm | None:
+    """The compiled panel GEMM where this CPU's fp32 layers may take it, else None."""
+    if not panels_for_fp32(cpu_features.cpu_flags()):
+        return None
+    from ..platforms.cpu_kernels import kernels  # here: the platforms import the layers
+
+    k = kernels()
+    return None if k is None else k.panel_linear
+
+
+def _takes_panels(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[0] % cpu_gemm.PANEL == 0
+            and weight.shape[0] > 0 and envs.LOOM_CPU_PANEL_GEMM and _panel_gemm() is not None)
+
+
 def enabled_for(weight: torch.Tensor) -> bool:
-    return (envs.LOOM_CPU_PREPACK and weight.device.type == "cpu" and not weight.is_mkldnn
-            and packs(weight.dtype))
+    """Whether :func:`pack` packs this dense weight (else the layer keeps it)."""
+    return (envs.LOOM_CPU_PREPACK and weight.device.type == "cpu" and not weight.is_mkldnn and weight.dim() == 2
+            and (packs(weight.dtype) or _takes_panels(weight)))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A CPU layer's packed form of a dense ``(out, in)`` weight (:func:`enabled_for` said yes):
+    the panel tensor where the panel GEMM takes it, else oneDNN's layout."""
+    return cpu_gemm.to_panels(weight) if _takes_panels(weight) else pack_weight(weight)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -101,11 +141,21 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), BATCH_HINT)
 
 
+def dense(weight: torch.Tensor) -> torch.Tensor:
+    """The dense ``(out, in)`` weight of any form :func:`linear` takes (a copy for a packed one)."""
+    if weight.is_mkldnn:
+        return weight.to_dense()
+    return cpu_gemm.from_panels(weight) if weight.dim() == 3 else weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for a dense or a packed weight, or through a quantized layer's op
-    (``layers/quantized.py``)."""
+    """``F.linear`` for a dense weight, a panel tensor or a oneDNN-packed weight, or through a
+    quantized layer's op (``layers/quantized.py``)."""
     if isinstance(weight, QuantizedLinear):
         return weight(x, bias)
+    if weight.dim() == 3:
+        gemm = _panel_gemm()
+        return gemm(x, weight, bias) if gemm is not None else F.linear(x, cpu_gemm.from_panels(weight), bias)
     if weight.is_mkldnn:
         if x.dtype == torch.float32 and x.numel() >= DENSE_ROWS * x.shape[-1] and _blas_here():
             return F.linear(x, weight.to_dense(), bias)
@@ -229,7 +279,7 @@ def prepack_model(model: nn.Module) -> int:
                 continue  # its kernel's layouts were made when the layer was built (layers/quantized.py)
             if isinstance(module, LinearBase) and enabled_for(module.weight):
                 loader = getattr(module.weight, "weight_loader", None)
-                module.weight = nn.Parameter(pack_weight(module.weight), requires_grad=False)
+                module.weight = nn.Parameter(pack(module.weight), requires_grad=False)
                 if loader is not None:
                     module.weight.weight_loader = loader  # type: ignore[attr-defined]
                 module.register_state_dict_post_hook(_dense_state)
@@ -243,7 +293,8 @@ def prepack_model(model: nn.Module) -> int:
                 packed += 1
     if packed:
         _return_freed_memory()
-        logger.info("Prepacked %d linear weights for oneDNN (LOOM_CPU_PREPACK=0 to keep F.linear)", packed)
+        logger.info("Prepacked %d linear weights for %s (LOOM_CPU_PREPACK=0 to keep F.linear)", packed,
+                    "loom's fp32 GEMM and oneDNN" if envs.LOOM_CPU_PANEL_GEMM and _panel_gemm() else "oneDNN")
     return packed
 
 
@@ -289,5 +340,5 @@ def _return_freed_memory() -> None:
 def _dense_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """``state_dict()`` keeps showing the dense ``(out, in)`` weight of a packed layer."""
     key = prefix + "weight"
-    if key in state_dict and state_dict[key].is_mkldnn:
-        state_dict[key] = state_dict[key].to_dense()
+    if key in state_dict:
+        state_dict[key] = dense(state_dict[key])

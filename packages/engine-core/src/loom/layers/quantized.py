@@ -167,7 +167,7 @@ def finish_quantized(layer: nn.Module, bits: int, dtype: torch.dtype) -> bool:
 
 class CpuQuantizedWeight:
     """The CPU kernel's layouts of a ``QuantizedWeight``: the codes for a few rows and ``dense``,
-    the dequantized weights in the compute dtype (oneDNN-packed where enabled), for batches.
+    the dequantized weights in the compute dtype (packed where enabled: ``onednn.pack``), for batches.
 
     The codes: 4-bit ones packed for the C kernel (``CpuKernels.pack_q4``: two codes a byte,
     scale and zero as bf16 pairs for bf16 activations), else torch's int4 layout where the C
@@ -227,7 +227,7 @@ class CpuQuantizedWeight:
 
     @property
     def dense(self) -> torch.Tensor:
-        """The dequantized weights in the compute dtype (oneDNN-packed where enabled). A model's
+        """The dequantized weights in the compute dtype (packed where enabled: ``onednn.pack``). A model's
         linear layers make theirs at load (:func:`finish_quantized`); one that only ever sees a
         few rows (the quantized LM head of ``LogitsProcessor``) never holds one."""
         return self.make_dense()
@@ -239,7 +239,7 @@ class CpuQuantizedWeight:
 
                 self._weight = QuantizedWeight(*unpack_q8(self.q8), 8, self.q8.group_size)
             dense = self._weight.dequantize(self.dtype)
-            self._dense = onednn.pack_weight(dense) if onednn.enabled_for(dense) else dense
+            self._dense = onednn.pack(dense) if onednn.enabled_for(dense) else dense
             if self.codes is None:  # the codes are in the kernel's own layout: the neutral ones can go
                 self._weight = None
         return self._dense
@@ -290,5 +290,4 @@ def _dense_state(module: nn.Module, state_dict: dict, prefix: str, local_metadat
     if isinstance(op, QuantizedLinear) and op.weight is not None:
         state_dict[prefix + "weight"] = op.weight.dequantize(op.dtype)
     elif isinstance(op, QuantizedLinear):  # released: the CPU layout's dense copy holds the same values
-        dense = op.kernel_weight().dense
-        state_dict[prefix + "weight"] = dense.to_dense() if dense.is_mkldnn else dense
+        state_dict[prefix + "weight"] = onednn.dense(op.kernel_weight().dense)

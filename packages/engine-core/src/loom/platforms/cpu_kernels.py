@@ -34,7 +34,7 @@ from loom_plugin_api.ops.rotary_embedding import RotaryEmbedding
 from .. import envs
 from ..attention.backends import native
 from ..logger import init_logger
-from . import cpu_qdot
+from . import cpu_gemm, cpu_qdot
 
 logger = init_logger(__name__)
 
@@ -174,6 +174,8 @@ class CpuKernels:
         self.tape_run = lib.tape_run  # cpu_tape.c: a recorded step's calls in one (cpu_step_replay)
         self.tape_run.argtypes, self.tape_run.restype = [_PTR, _I64, _PTR], ctypes.c_int
         self.tape_op_size = int(lib.tape_op_size())
+        # cpu_gemm.c: the fp32 linear layer on AVX2 + FMA (layers/onednn.py decides where it runs)
+        self.panel_linear: cpu_gemm.PanelGemm | None = cpu_gemm.PanelGemm(lib) if lib.panel_available() else None
 
     @property
     def int8_activations(self) -> bool:
@@ -502,9 +504,15 @@ def kernels() -> CpuKernels | None:
         return None
     try:
         files = resources.files(__package__)  # cpu_qdot.c uses cpu_kernels.c's helpers: one unit
-        source = b"".join(files.joinpath(f).read_bytes() for f in ("cpu_kernels.c", "cpu_qdot.c", "cpu_tape.c"))
+        source = b"".join(files.joinpath(f).read_bytes() for f in ("cpu_kernels.c", "cpu_qdot.c", "cpu_gemm.c", "cpu_tape.c"))
         k = CpuKernels(ctypes.CDLL(native._build(native._compiler(), source, "cpu_kernels", "the CPU fused ops")))
         _self_check(k)
+        if k.panel_linear is not None:
+            try:
+                cpu_gemm.self_check(k.panel_linear)
+            except native.NativeKernelError as e:  # that kernel only: the others stay
+                logger.warning("loom's fp32 GEMM unavailable, linear layers stay on oneDNN: %s", e)
+                k.panel_linear = None
         return k
     except (native.NativeKernelError, OSError, subprocess.SubprocessError, AttributeError) as e:
         logger.warning("CPU fused kernels unavailable, RMSNorm, SiLU-and-mul, rotary embedding and the 8- and "

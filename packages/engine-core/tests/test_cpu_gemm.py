@@ -1,0 +1,143 @@
+"""loom's fp32 GEMM for AVX2 CPUs (``platforms/cpu_gemm.c``) and where ``layers/onednn.py`` uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from loom import envs
+from loom.attention.backends import native
+from loom.layers import onednn
+from loom.platforms import cpu_features, cpu_gemm
+from loom.platforms.cpu_kernels import kernels
+
+AVX2 = {"avx2", "fma"} <= cpu_features.cpu_flags()
+
+
+@pytest.fixture(autouse=True)
+def _live_envs():
+    envs._disable_envs_cache_for_tests()
+
+
+@pytest.fixture
+def gemm() -> cpu_gemm.PanelGemm:
+    """The compiled kernel: on an AVX2 + FMA CPU it must be there (fails, never skips)."""
+    if not AVX2:
+        pytest.skip("this CPU has no AVX2 and FMA: the kernel is compiled out")
+    k = kernels()
+    assert k is not None and k.panel_linear is not None
+    return k.panel_linear
+
+
+def test_compiled_where_the_cpu_has_avx2_and_fma():
+    k = kernels()
+    assert k is not None
+    assert (k.panel_linear is not None) == AVX2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 64, 191, 192, 193, 400])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matches_a_float64_reference(gemm, rows, with_bias):
+    """Every sliver size (1-6 rows and their tails), row blocks of 192 whole and in part, K not a
+    multiple of 8 and past a block of 256, rows with a stride wider than K; the error within the
+    worst case of fp32 sums in any order (``within_rounding``), and never 4x F.linear's plus a
+    few units in the last place of the output's scale."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(16, 8), (48, 300), (96, 576)]:
+        x = torch.randn(rows, k + 5, generator=g)[:, 2:k + 2]
+        w = torch.randn(n, k, generator=g)
+        b = torch.randn(n, generator=g) if with_bias else None
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        got = gemm(x, cpu_gemm.to_panels(w), b)
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        assert cpu_gemm.within_rounding(got, x, w, b), (n, k)
+        err, torch_err = ((y.double() - ref).abs().max().item() for y in (got, F.linear(x, w, b)))
+        assert err <= 4 * torch_err + 8 * 2.0 ** -24 * ref.abs().max().item(), (n, k, err, torch_err)
+
+
+def test_leading_dims_threads_and_special_values(gemm):
+    """(batch, seq, K) inputs come back in that shape; one thread or many, the same sums; an
+    infinity or NaN in x reaches exactly the outputs of its row."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(64, 40, generator=g), torch.randn(64, generator=g)
+    panels = cpu_gemm.to_panels(w)
+    x = torch.randn(2, 9, 40, generator=g)
+    got = gemm(x, panels, b)
+    assert got.shape == (2, 9, 64)
+    torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm(x, panels, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, got)  # each output is one thread's sum in one order
+    x = torch.randn(8, 40, generator=g)
+    x[3, 7], x[5, 0] = float("inf"), float("nan")
+    y = gemm(x, panels, None)
+    assert y[5].isnan().all() and not y[[0, 1, 2, 4, 6, 7]].isnan().any() and not y[3].isfinite().any()
+    assert gemm(torch.empty(0, 40), panels).shape == (0, 64)
+
+
+def test_what_the_kernel_cannot_take_goes_through_f_linear(gemm):
+    """Another dtype, a wrong width or bias: F.linear on the dense weight computes it or says why."""
+    w = torch.randn(32, 24)
+    panels = cpu_gemm.to_panels(w)
+    x64 = torch.randn(3, 24, dtype=torch.float64)
+    with pytest.raises(RuntimeError):  # F.linear's own dtype error
+        gemm(x64, panels)
+    with pytest.raises(RuntimeError):
+        gemm(torch.randn(3, 25), panels)
+    x, b = torch.randn(3, 24), torch.randn(64)[::2]  # a strided bias: F.linear takes it
+    torch.testing.assert_close(gemm(x, panels, b), F.linear(x, w, b))
+
+
+def test_panels_round_trip_and_refuse_what_they_cannot_hold():
+    w = torch.randn(48, 7)
+    panels = cpu_gemm.to_panels(w)
+    assert panels.shape == (3, 7, 16) and panels.is_contiguous() and torch.equal(panels[1, 4], w[16:32, 4])
+    assert torch.equal(cpu_gemm.from_panels(panels), w)
+    for bad in (torch.randn(20, 7), torch.randn(48, 7, dtype=torch.bfloat16), torch.randn(3, 16, 7)):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            cpu_gemm.to_panels(bad)
+
+
+def test_a_misaligned_weight_is_refused_not_read(gemm):
+    w = torch.randn(16 * 8 + 1)[1:].view(8, 16)  # 4 bytes past a 64-byte boundary
+    assert w.data_ptr() % 32
+    with pytest.raises(RuntimeError, match="refused"):
+        gemm(torch.randn(2, 8), w.view(1, 8, 16))
+
+
+def test_panels_for_fp32_only_on_avx2_without_avx512():
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+    assert onednn.panels_for_fp32(avx2)
+    assert not onednn.panels_for_fp32(avx2 | {"avx512f"})
+    assert not onednn.panels_for_fp32(frozenset({"avx", "avx2"}))  # no FMA
+    assert not onednn.panels_for_fp32(frozenset())  # not x86
+
+
+def test_pack_chooses_panels_for_fp32_multiples_of_16(monkeypatch):
+    """Where the panel GEMM runs here: fp32 weights of a multiple of 16 rows become panels and
+    ``linear`` multiplies by them; other row counts, bf16, or ``LOOM_CPU_PANEL_GEMM=0`` keep
+    oneDNN's layout. Every form gives F.linear's result, and ``dense`` the exact weight."""
+    here = onednn.panels_for_fp32(cpu_features.cpu_flags())
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 24, generator=g)
+    for rows, env, want in [(32, "1", "panels" if here else "onednn"), (20, "1", "onednn"), (32, "0", "onednn")]:
+        monkeypatch.setenv("LOOM_CPU_PANEL_GEMM", env)
+        w, b = torch.randn(rows, 24, generator=g), torch.randn(rows, generator=g)
+        packed = onednn.pack(w)
+        assert ("panels" if packed.dim() == 3 else "onednn" if packed.is_mkldnn else "dense") == want, (rows, env)
+        torch.testing.assert_close(onednn.linear(x, packed, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        assert torch.equal(onednn.dense(packed), w)
+
+
+def test_the_self_check_finds_a_wrong_kernel(gemm):
+    """What ``kernels()`` runs at load before a layer may use the kernel (a failure drops it alone)."""
+    class Wrong:
+        def __call__(self, x, panels, bias=None):
+            return gemm(x, panels, bias) + 1
+
+    with pytest.raises(native.NativeKernelError, match="panel_linear_f32 disagrees"):
+        cpu_gemm.self_check(Wrong())  # type: ignore[arg-type]
