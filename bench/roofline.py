@@ -244,6 +244,12 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         with record_function("loom::paged_prefill_amx"):
             return prefill_call(*a, **kw)
 
+    gemm_call = cpu_gemm.PanelGemm.__call__  # and loom's fp32 GEMM (eager steps: prefill, the LM head)
+
+    def named_gemm(*a: Any, **kw: Any) -> Any:
+        with record_function("loom::panel_linear_f32"):
+            return gemm_call(*a, **kw)
+
     # Likewise the CPU platform's fused kernels behind the ops' forward_cpu (looked up per call).
     installed = dict(custom_op.kernel_registry)
     # A replayed decode step (cpu_step_replay) makes its compiled-kernel calls in one C call per
@@ -265,6 +271,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
 
     if modules:
         kernel_cls.__call__, kernel_cls.prefill = named_kernel, named_prefill
+        cpu_gemm.PanelGemm.__call__ = named_gemm
         cpu_step_replay._Tape.__call__ = named_tape
         for name, fn in installed.items():
             custom_op.kernel_registry[name] = functools.partial(named, f"loom::{name}", fn)
@@ -283,6 +290,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
             h.remove()
         del core.step, executor.execute_model, runner.model.logits_processor.greedy_token_ids
         kernel_cls.__call__, kernel_cls.prefill = kernel_call, prefill_call
+        cpu_gemm.PanelGemm.__call__ = gemm_call
         cpu_step_replay._Tape.__call__ = tape_call
         custom_op.kernel_registry.update(installed)
     return undo

@@ -137,6 +137,7 @@ def test_packed_lm_head_skips_padding_rows(bias):
     packed = LogitsProcessor(1000)
     packed.chunk = 96
     packed.packed_head = onednn.PackedHead(head.weight, packed.chunk)
+    assert packed.packed_head.panels == PANELS  # (fp32: loom's panels on AVX2 CPUs)
     assert [hi - lo for lo, hi, _ in packed.packed_head.chunks][-1] == 1024 - 10 * 96
     torch.testing.assert_close(packed(head, hidden), want_logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(packed.greedy_token_ids(head, hidden), want)
@@ -144,14 +145,19 @@ def test_packed_lm_head_skips_padding_rows(bias):
     assert (want < 1000).all()
 
 
+@pytest.mark.parametrize("panel_gemm", ["1", "0"])
 @pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * BF16_PACKS)  # the dtypes packed here
-def test_packed_head_looks_rows_up(dtype):
+def test_packed_head_looks_rows_up(dtype, panel_gemm, monkeypatch):
     """1000 rows (padded to 1024) in chunks of 96: lookups across chunks, of the last short chunk
-    and of padding give the dense rows bit for bit, in the ids' shape; an id past the table raises."""
+    and of padding give the dense rows bit for bit, in the ids' shape; an id past the table raises.
+    In loom's panels (fp32 on AVX2 CPUs) and in oneDNN's layout."""
+    monkeypatch.setenv("LOOM_CPU_PANEL_GEMM", panel_gemm)
     torch.manual_seed(0)
     weight = torch.randn(1024, 40).to(dtype)
     weight[1000:] = 0
     head = onednn.PackedHead(weight, 96)
+    assert head.panels == (dtype == torch.float32 and PANELS and panel_gemm == "1")
+    assert all((w.dim() == 3) == head.panels and w.is_mkldnn != head.panels for _, _, w in head.chunks)
     assert head.enable_lookup()
     ids = torch.tensor([[0, 95, 96, 1023], [999, 1000, 5, 960]])
     assert torch.equal(head.lookup(ids), weight[ids])
@@ -211,7 +217,9 @@ def test_row_layout_refuses_what_it_cannot_express(monkeypatch):
 
 def test_chunks_of_different_layouts_are_not_looked_up_in(monkeypatch):
     """The kernel takes one column stride and group for all chunks: a last chunk laid out
-    otherwise leaves the lookup off (and the embedding its dense table)."""
+    otherwise leaves the lookup off (and the embedding its dense table). (oneDNN's layouts: a
+    head in panels, whole panels each chunk, has one known layout.)"""
+    monkeypatch.setenv("LOOM_CPU_PANEL_GEMM", "0")
     real = onednn.row_layout
     monkeypatch.setattr(onednn, "row_layout", lambda r, c, d: real(r, c, d)[:1] + ((64, 1) if r == 96 else (32, 1)))
     assert not onednn.PackedHead(torch.randn(100, 40), 96).enable_lookup()

@@ -28,9 +28,10 @@ Where loom's own fp32 GEMM runs (:func:`panels_for_fp32`: x86 with AVX2 and FMA 
 and the CPU kernels compiled), fp32 layers hold their weight as its panel tensor instead
 (``platforms/cpu_gemm.py``: ``(out / 16, in, 16)``, out a multiple of 16) and multiply through
 that kernel at every row count: on 2 cores of an AVX2 AMD EPYC it runs a decode step's 64 rows a
-fifth faster than oneDNN, and a prefill step's at MKL's speed without the dense copy. The LM head
-stays with oneDNN (its chunks serve the tied embedding's lookups). ``LOOM_CPU_PANEL_GEMM=0``
-keeps oneDNN for them too.
+fifth faster than oneDNN, and a prefill step's at MKL's speed without the dense copy. The LM
+head's chunks are panels too, where they are whole panels; a tied embedding then looks its rows
+up in them at offsets known without a probe (``cpu_gemm.row_layout``). ``LOOM_CPU_PANEL_GEMM=0``
+keeps oneDNN for all of them.
 
 Only on the CPU, for float32 and bfloat16 (bf16 where oneDNN packs it on this CPU: ``packs``),
 where torch was built with oneDNN;
@@ -164,7 +165,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.
 
 
 class PackedHead:
-    """The LM head's weight packed in vocabulary chunks: ``[(lo, hi, packed rows lo:hi)]``; once
+    """The LM head's weight packed in vocabulary chunks: ``[(lo, hi, packed rows lo:hi)]``, each
+    in loom's panels where fp32 layers take them (``panels``) or oneDNN's layout; once
     :meth:`enable_lookup` said yes, also the table a tied embedding looks its rows up in."""
 
     def __init__(self, weight: torch.Tensor, chunk: int) -> None:
@@ -172,7 +174,10 @@ class PackedHead:
         self.chunk = chunk
         self.dtype, self.cols = weight.dtype, weight.shape[1]
         rows = weight.shape[0]
-        self.chunks = [(lo, min(lo + chunk, rows), pack_weight(weight[lo:lo + chunk])) for lo in range(0, rows, chunk)]
+        # loom's panels where the panel GEMM runs and every chunk is whole panels, else oneDNN's layout
+        self.panels = chunk % cpu_gemm.PANEL == 0 and rows % cpu_gemm.PANEL == 0 and _takes_panels(weight)
+        pack_chunk = cpu_gemm.to_panels if self.panels else pack_weight
+        self.chunks = [(lo, min(lo + chunk, rows), pack_chunk(weight[lo:lo + chunk])) for lo in range(0, rows, chunk)]
         self._lookup: tuple | None = None
 
     def enable_lookup(self) -> bool:
@@ -180,14 +185,18 @@ class PackedHead:
         layout is not one :func:`row_layout` can express (or differs between chunks)."""
         from ..platforms.cpu_kernels import kernels  # here: the platforms import the layers
 
-        if not all(hasattr(torch.ops.mkldnn, op) for op in ("data_ptr", "_nbytes")):
+        if self.panels:  # a layout known, not read back
+            layouts = [cpu_gemm.row_layout(hi - lo, self.cols) for lo, hi, _ in self.chunks]
+            pointers = torch.tensor([w.data_ptr() for _, _, w in self.chunks], dtype=torch.int64)
+        elif not all(hasattr(torch.ops.mkldnn, op) for op in ("data_ptr", "_nbytes")):
             return False  # a torch that cannot show a packed buffer
-        layouts = [row_layout(hi - lo, self.cols, self.dtype) for lo, hi, _ in self.chunks]
+        else:
+            layouts = [row_layout(hi - lo, self.cols, self.dtype) for lo, hi, _ in self.chunks]
+            pointers = torch.tensor([torch.ops.mkldnn.data_ptr(w) for _, _, w in self.chunks], dtype=torch.int64)
         k = kernels()
         if k is None or None in layouts or len({layout[1:] for layout in layouts}) != 1:  # type: ignore[index]
             return False  # (and where chunks differ in stride or group: one of each for the kernel)
         offsets = torch.cat([layout[0] for layout in layouts])  # type: ignore[index]
-        pointers = torch.tensor([torch.ops.mkldnn.data_ptr(w) for _, _, w in self.chunks], dtype=torch.int64)
         stride, group = layouts[0][1:]  # type: ignore[index]
         self._lookup = (k.gather_rows, pointers, offsets, stride, group)
         return True
@@ -204,7 +213,7 @@ class PackedHead:
 
     def to_dense(self) -> torch.Tensor:
         """The dense ``(rows, cols)`` weight, rebuilt (``state_dict()``)."""
-        return torch.cat([w.to_dense() for _, _, w in self.chunks])
+        return torch.cat([dense(w) for _, _, w in self.chunks])
 
 
 def _buffer(packed: torch.Tensor) -> torch.Tensor:

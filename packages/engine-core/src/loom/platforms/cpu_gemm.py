@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..attention.backends import native
 
-__all__ = ["PANEL", "PanelGemm", "from_panels", "self_check", "to_panels", "within_rounding"]
+__all__ = ["PANEL", "PanelGemm", "from_panels", "row_layout", "self_check", "to_panels", "within_rounding"]
 
 PANEL = 16
 """Output columns a panel: a weight's rows must be a multiple of it."""
@@ -42,6 +42,14 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
 def from_panels(panels: torch.Tensor) -> torch.Tensor:
     """The dense ``(n, k)`` weight of a panel tensor (a copy)."""
     return panels.transpose(1, 2).reshape(panels.shape[0] * PANEL, panels.shape[1])
+
+
+def row_layout(rows: int, cols: int) -> tuple[torch.Tensor, int, int]:
+    """Where a panel tensor of a ``(rows, cols)`` weight keeps element ``(r, i)``: ``row_offset[r]
+    + i * 16`` elements in, as ``layers/onednn.row_layout`` gives oneDNN's (a column stride of 16,
+    groups of 1)."""
+    r = torch.arange(rows)
+    return r // PANEL * PANEL * cols + r % PANEL, PANEL, 1
 
 
 class PanelGemm:
