@@ -79,6 +79,20 @@ def test_leading_dims_threads_and_special_values(gemm):
     assert gemm(torch.empty(0, 40), panels).shape == (0, 64)
 
 
+def test_a_row_gets_the_same_bits_whatever_shares_its_call(gemm):
+    """Each output is one sum over K in one order, whatever the other rows (alone, in a sliver of
+    6, in a block of 192 or past it, at any place): a request's result does not depend on what
+    else its step holds (oneDNN's and MKL's may, with the batch size)."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 300, generator=g), torch.randn(96, generator=g)
+    panels = cpu_gemm.to_panels(w)
+    x = torch.randn(400, 300, generator=g)
+    whole = gemm(x, panels, b)
+    for i in (0, 5, 191, 192, 399):
+        assert torch.equal(gemm(x[i:i + 1], panels, b)[0], whole[i]), i
+        assert torch.equal(gemm(x[max(i - 3, 0):i + 4], panels, b)[min(i, 3)], whole[i]), i
+
+
 def test_what_the_kernel_cannot_take_goes_through_f_linear(gemm):
     """Another dtype, a wrong width or bias: F.linear on the dense weight computes it or says why."""
     w = torch.randn(32, 24)
