@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from loom import envs
+from loom import envs, platforms
 from loom.attention.backends import native
 from loom.layers import onednn
 from loom.platforms import cpu_features, cpu_gemm
@@ -43,7 +43,7 @@ def test_matches_a_float64_reference(gemm, rows, with_bias):
     worst case of fp32 sums in any order (``within_rounding``), and never 4x F.linear's plus a
     few units in the last place of the output's scale."""
     g = torch.Generator().manual_seed(rows)
-    for n, k in [(16, 8), (48, 300), (96, 576)]:
+    for n, k in [(16, 8), (48, 300), (96, 576), (512, 40)]:  # (512: 32 panels, split by panel on <= 4 threads)
         x = torch.randn(rows, k + 5, generator=g)[:, 2:k + 2]
         w = torch.randn(n, k, generator=g)
         b = torch.randn(n, generator=g) if with_bias else None
@@ -66,12 +66,16 @@ def test_leading_dims_threads_and_special_values(gemm):
     assert got.shape == (2, 9, 64)
     torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     threads = torch.get_num_threads()
+    rows = torch.randn(700, 40, generator=g)  # 4 row blocks x 4 panels: units split unevenly
+    wide = cpu_gemm.to_panels(torch.randn(512, 40, generator=g))  # 32 panels: split by panel on <= 4 threads
+    want = gemm(rows, panels, b), gemm(rows, wide)
     try:
-        torch.set_num_threads(1)
-        one = gemm(x, panels, b)
+        for n in (1, 3, 5, 16):  # more threads than units too (x: 4 units)
+            torch.set_num_threads(n)
+            assert torch.equal(gemm(x, panels, b), got) and torch.equal(gemm(rows, panels, b), want[0]), n
+            assert torch.equal(gemm(rows, wide), want[1]), n
     finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, got)  # each output is one thread's sum in one order
+        torch.set_num_threads(threads)  # each output is one unit's sum in one order
     x = torch.randn(8, 40, generator=g)
     x[3, 7], x[5, 0] = float("inf"), float("nan")
     y = gemm(x, panels, None)
@@ -93,6 +97,32 @@ def test_a_row_gets_the_same_bits_whatever_shares_its_call(gemm):
         assert torch.equal(gemm(x[max(i - 3, 0):i + 4], panels, b)[min(i, 3)], whole[i]), i
 
 
+def test_any_torch_default_dtype_and_any_row_layout(gemm):
+    """The output is float32 whatever torch's default dtype (the kernel writes fp32); a transposed
+    x (its rows not unit-stride), a 1-D x and a broadcast x give F.linear's result."""
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(32, 24, generator=g), torch.randn(32, generator=g)
+    panels = cpu_gemm.to_panels(w)
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        got = gemm(torch.randn(3, 24, generator=g, dtype=torch.float32), panels, b)
+    finally:
+        torch.set_default_dtype(default)
+    assert got.dtype == torch.float32 and got.shape == (3, 32)
+    for x in (torch.randn(24, 7, generator=g).t(), torch.randn(24, generator=g), torch.randn(1, 24).expand(5, 24)):
+        torch.testing.assert_close(gemm(x, panels, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+def test_a_weight_not_made_by_to_panels_is_refused(gemm):
+    """A view, another dtype or shape: a clear error, never a wrong product."""
+    panels = cpu_gemm.to_panels(torch.randn(32, 24))
+    x = torch.randn(2, 24)
+    for bad in (panels[:, :, :8], panels.double(), panels.transpose(0, 1), panels.reshape(2, 24, 2, 8)):
+        with pytest.raises(ValueError, match="to_panels"):
+            gemm(x, bad)
+
+
 def test_what_the_kernel_cannot_take_goes_through_f_linear(gemm):
     """Another dtype, a wrong width or bias: F.linear on the dense weight computes it or says why."""
     w = torch.randn(32, 24)
@@ -104,6 +134,8 @@ def test_what_the_kernel_cannot_take_goes_through_f_linear(gemm):
         gemm(torch.randn(3, 25), panels)
     x, b = torch.randn(3, 24), torch.randn(64)[::2]  # a strided bias: F.linear takes it
     torch.testing.assert_close(gemm(x, panels, b), F.linear(x, w, b))
+    with pytest.raises((RuntimeError, NotImplementedError)):  # a bias off the CPU: never read as a host pointer
+        gemm(x, panels, torch.empty(32, device="meta"))
 
 
 def test_panels_round_trip_and_refuse_what_they_cannot_hold():
@@ -132,10 +164,10 @@ def test_panels_for_fp32_only_on_avx2_without_avx512():
 
 
 def test_pack_chooses_panels_for_fp32_multiples_of_16(monkeypatch):
-    """Where the panel GEMM runs here: fp32 weights of a multiple of 16 rows become panels and
+    """Where the panel GEMM runs here (the CPU platform, an AVX2 CPU): fp32 weights of a multiple of 16 rows become panels and
     ``linear`` multiplies by them; other row counts, bf16, or ``LOOM_CPU_PANEL_GEMM=0`` keep
     oneDNN's layout. Every form gives F.linear's result, and ``dense`` the exact weight."""
-    here = onednn.panels_for_fp32(cpu_features.cpu_flags())
+    here = onednn.panels_for_fp32(cpu_features.cpu_flags()) and platforms.current_platform.is_cpu()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 24, generator=g)
     for rows, env, want in [(32, "1", "panels" if here else "onednn"), (20, "1", "onednn"), (32, "0", "onednn")]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loom import envs
+from loom import envs, platforms
 from loom.layers import onednn
 from loom.layers.linear import LinearBase
 from loom.layers.logits_processor import LogitsProcessor
@@ -34,8 +34,8 @@ def _cpu_flags() -> set[str]:
 # oneDNN's bf16 reorder needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; an AVX2-only CPU has neither
 BF16_PACKS = {"avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags() or "avx_ne_convert" in _cpu_flags()
 # fp32 layers hold panels for loom's own GEMM on AVX2 + FMA without AVX-512 (test_cpu_gemm.py
-# checks that the kernel compiles there), oneDNN's layout elsewhere
-PANELS = {"avx2", "fma"} <= _cpu_flags() and "avx512f" not in _cpu_flags()
+# checks that the kernel compiles there), under the CPU platform; oneDNN's layout elsewhere
+PANELS = platforms.current_platform.is_cpu() and {"avx2", "fma"} <= _cpu_flags() and "avx512f" not in _cpu_flags()
 
 
 def _form(weight: torch.Tensor) -> str:

@@ -24,8 +24,8 @@ those GEMMs 5-10% faster than oneDNN's AVX2 kernels on the packed weight; the co
 of the GEMM and lives only for the call. Decode steps' few rows stay on the packed weight,
 where oneDNN is the faster of the two by a fifth or more.
 
-Where loom's own fp32 GEMM runs (:func:`panels_for_fp32`: x86 with AVX2 and FMA but no AVX-512,
-and the CPU kernels compiled), fp32 layers hold their weight as its panel tensor instead
+Where loom's own fp32 GEMM runs (the CPU platform, :func:`panels_for_fp32`: x86 with AVX2 and
+FMA but no AVX-512, and the CPU kernels compiled), fp32 layers hold their weight as its panel tensor instead
 (``platforms/cpu_gemm.py``: ``(out / 16, in, 16)``, out a multiple of 16) and multiply through
 that kernel at every row count: on 2 cores of an AVX2 AMD EPYC it runs a decode step's 64 rows a
 fifth faster than oneDNN, and a prefill step's at MKL's speed without the dense copy. The LM
@@ -49,7 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from loom_plugin_api.ops.quantized_linear import QuantizedLinear
 
-from .. import envs
+from .. import envs, platforms
 from ..logger import init_logger
 from ..platforms import cpu_features, cpu_gemm
 
@@ -111,8 +111,10 @@ def panels_for_fp32(flags: frozenset[str]) -> bool:
 
 @functools.cache
 def _panel_gemm() -> cpu_gemm.PanelGemm | None:
-    """The compiled panel GEMM where this CPU's fp32 layers may take it, else None."""
-    if not panels_for_fp32(cpu_features.cpu_flags()):
+    """The compiled panel GEMM where this CPU's fp32 layers may take it, else None: only under
+    loom's CPU platform, whose kernels it is (another platform on CPU tensors, as the dummy
+    one, keeps oneDNN and runs no kernel of loom's CPU platform)."""
+    if not panels_for_fp32(cpu_features.cpu_flags()) or not platforms.current_platform.is_cpu():
         return None
     from ..platforms.cpu_kernels import kernels  # here: the platforms import the layers
 

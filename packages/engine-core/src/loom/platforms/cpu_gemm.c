@@ -5,11 +5,13 @@
  * multiple of 16) that loom.layers.onednn keeps in panels of PANEL_NR = 16 output columns:
  * wp[p][kk][j] = W[16 p + j][kk], the (n / 16, k, 16) tensor of W.view(n / 16, 16, k).transpose(1, 2).
  *
- * Each thread takes a contiguous, equal share of the panels (576 columns: 36 panels, 18 and 18;
- * oneDNN's AVX2 kernels split them in blocks of 64, nine for two threads, and lose a fifth of the
- * second core there). Within its share, rows go in blocks of PANEL_MC that stay in L2, and for
- * each panel K goes in blocks of PANEL_KC, so the panel's block (16 x 256 floats, 16 KB) stays in
- * L1 while each 6-row sliver of the row block multiplies it: a 6 x 16 tile of twelve
+ * The work is row blocks of up to PANEL_MC rows (they stay in L2) times panels. Where a layer has
+ * at least 8 panels a thread, each thread takes a contiguous, equal share of the panels for every
+ * row block (576 columns: 36 panels, 18 and 18; oneDNN's AVX2 kernels split them in blocks of 64,
+ * nine for two threads, and lose a fifth of the second core there); a narrower layer on many
+ * cores shares the (row block, panel) units instead. For each unit K goes in blocks of
+ * PANEL_KC, so the panel's block (16 x 256 floats, 16 KB) stays in L1 while each 6-row sliver
+ * of the row block multiplies it: a 6 x 16 tile of twelve
  * accumulators, two loads of W and six broadcasts of x a step of k. Slivers of fewer rows (the
  * last one; one to five streams decoding) get their own compiled tile, without the rows they lack.
  *
@@ -75,28 +77,46 @@ static void panel_sliver(const float *x, int64_t xs, const float *b, int64_t kc,
     }
 }
 
+/* One unit of work: rows [r0, r1) times panel p, all of K, into y (bias where given). */
+static void panel_unit(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t ys,
+                       int64_t r0, int64_t r1, int64_t p, int64_t k) {
+    for (int64_t kb = 0; kb < k; kb += PANEL_KC) {
+        const int64_t kc = k - kb < PANEL_KC ? k - kb : PANEL_KC;
+        const float *b = wp + (p * k + kb) * PANEL_NR;
+        for (int64_t r = r0; r < r1; r += PANEL_MR) {
+            const int rows = (int)(r1 - r < PANEL_MR ? r1 - r : PANEL_MR);
+            panel_sliver(x + r * xs + kb, xs, b, kc, y + r * ys + p * PANEL_NR, ys, rows, kb > 0,
+                         bias ? bias + p * PANEL_NR : NULL);
+        }
+    }
+}
+
 /* 0, or 1: arguments it cannot take (n not a multiple of 16, a misaligned weight, no rows) */
 int panel_linear_f32(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t ys,
                      int64_t m, int64_t n, int64_t k, int nthreads) {
-    if (m < 1 || n < PANEL_NR || n % PANEL_NR || k < 1 || ((uintptr_t)wp & 31)) return 1;
-    const int64_t panels = n / PANEL_NR;
-    if (nthreads > panels) nthreads = (int)panels;
+    if (m < 1 || n < PANEL_NR || n % PANEL_NR || k < 1 || nthreads < 1 || ((uintptr_t)wp & 31)) return 1;
+    const int64_t panels = n / PANEL_NR, blocks = (m + PANEL_MC - 1) / PANEL_MC;
+    /* row blocks of (nearly) equal size, whole slivers: units of equal work */
+    const int64_t mc = ((m + blocks - 1) / blocks + PANEL_MR - 1) / PANEL_MR * PANEL_MR;
+    /* Enough panels for every thread (a layer of a real model on a few cores): each thread takes an
+     * equal share of the panels for every row block, exactly balanced. Else (a narrow layer, many
+     * cores) the threads share the (row block, panel) units in that order. Either way each output
+     * is one unit's sum: the split never changes a result's bits. */
+    const int by_panels = panels >= 8 * (int64_t)nthreads;
+    const int64_t units = by_panels ? panels : blocks * panels;
+    if (nthreads > units) nthreads = (int)units;
     #pragma omp parallel num_threads(nthreads) if(nthreads > 1)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int64_t lo = panels * t / nt, hi = panels * (t + 1) / nt;
-        for (int64_t mb = 0; mb < m; mb += PANEL_MC) {
-            const int64_t mend = mb + PANEL_MC < m ? mb + PANEL_MC : m;
-            for (int64_t p = lo; p < hi; p++) {
-                for (int64_t kb = 0; kb < k; kb += PANEL_KC) {
-                    const int64_t kc = k - kb < PANEL_KC ? k - kb : PANEL_KC;
-                    const float *b = wp + (p * k + kb) * PANEL_NR;
-                    for (int64_t r = mb; r < mend; r += PANEL_MR) {
-                        const int rows = (int)(mend - r < PANEL_MR ? mend - r : PANEL_MR);
-                        panel_sliver(x + r * xs + kb, xs, b, kc, y + r * ys + p * PANEL_NR, ys, rows, kb > 0,
-                                     bias ? bias + p * PANEL_NR : NULL);
-                    }
-                }
+        const int64_t lo = units * t / nt, hi = units * (t + 1) / nt;
+        if (by_panels) {
+            for (int64_t r0 = 0; r0 < m; r0 += mc)
+                for (int64_t p = lo; p < hi; p++)
+                    panel_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, p, k);
+        } else {
+            for (int64_t u = lo; u < hi; u++) {
+                const int64_t r0 = u / panels * mc;
+                panel_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, u % panels, k);
             }
         }
     }

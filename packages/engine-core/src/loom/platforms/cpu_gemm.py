@@ -63,14 +63,19 @@ class PanelGemm:
         self._fn.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (panels.dtype != torch.float32 or panels.ndim != 3 or panels.shape[2] != PANEL or not panels.is_cpu
+                or not panels.is_contiguous()):
+            raise ValueError(f"PanelGemm takes the contiguous float32 (n / {PANEL}, k, {PANEL}) CPU tensor of "
+                             f"to_panels, not {panels.dtype} {tuple(panels.shape)} on {panels.device}")
         n, k = panels.shape[0] * PANEL, panels.shape[1]
         if (x.dtype != torch.float32 or x.ndim == 0 or x.shape[-1] != k or not x.is_cpu
-                or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()))):
+                or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()
+                                          or not bias.is_cpu))):
             return F.linear(x, from_panels(panels), bias)
         rows = x.reshape(-1, k) if x.ndim != 2 else x
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], n)
+        out = torch.empty(rows.shape[0], n, dtype=torch.float32)  # (whatever torch's default dtype)
         if rows.shape[0]:
             rc = native.call(self._fn, rows.data_ptr(), rows.stride(0), panels.data_ptr(),
                              0 if bias is None else bias.data_ptr(), out.data_ptr(), n, rows.shape[0], n, k,
