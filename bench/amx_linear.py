@@ -46,18 +46,13 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one 
 LAYERS = 30
 
 
-def compile_here(stem: str, root: str) -> ctypes.CDLL:
-    """``bench/<stem>.c`` built for this CPU into ``root`` and loaded."""
+def build(root: str) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         sys.exit("no C compiler (cc or gcc on PATH, or CC)")
-    src, lib = os.path.join(os.path.dirname(__file__), f"{stem}.c"), os.path.join(root, f"{stem}.so")
+    src, lib = os.path.join(os.path.dirname(__file__), "amx_linear.c"), os.path.join(root, "amx_linear.so")
     subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", lib, src], check=True)
-    return ctypes.CDLL(lib)
-
-
-def build(root: str) -> ctypes.CDLL:
-    k = compile_here("amx_linear", root)
+    k = ctypes.CDLL(lib)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     k.amx_linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, ctypes.c_int]
     return k

@@ -7,9 +7,10 @@ scheduler runs (the prefill token budget, the decode batch) with ``F.linear``, w
 oneDNN-prepacked weight and, in fp32 on AVX2 CPUs, with loom's own GEMM on the weight's panels
 (``platforms/cpu_gemm.c``), each cycling through copies of its weight that add up to all the
 weights of a step (so each comes from where a step's weights live: cache for a tiny model,
-memory for a real one), and the bound = those FLOPs at the fastest of those speeds. Then loom's output tok/s (``offline_throughput.run_loom``) as % of the bound, and
-(unless ``--no-profile``) two more runs of the workload on a fresh engine, each with new
-prompts so that the prefix cache cannot help: one timed per step, one under
+memory for a real one), and the bound = those FLOPs at the fastest of those speeds. Then
+loom's output tok/s (``offline_throughput.run_loom``) as % of the bound, and (unless
+``--no-profile``) two more runs of the workload on a fresh engine, each with new prompts so
+that the prefix cache cannot help: one timed per step, one under
 ``torch.profiler``. Steps are split into prefill steps (prompt tokens scheduled; decodes of
 earlier requests ride along) and decode steps, and the profiler's self CPU time per step is
 bucketed into GEMMs, attention, norms and activations, embedding and LM head, sampling, other

@@ -156,9 +156,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.
     quantized layer's op (``layers/quantized.py``)."""
     if isinstance(weight, QuantizedLinear):
         return weight(x, bias)
-    if weight.dim() == 3:
-        gemm = _panel_gemm()
-        return gemm(x, weight, bias) if gemm is not None else F.linear(x, cpu_gemm.from_panels(weight), bias)
+    if weight.dim() == 3:  # panels: made only where _panel_gemm() has the kernel
+        return _panel_gemm()(x, weight, bias)
     if weight.is_mkldnn:
         if x.dtype == torch.float32 and x.numel() >= DENSE_ROWS * x.shape[-1] and _blas_here():
             return F.linear(x, weight.to_dense(), bias)
@@ -177,7 +176,7 @@ class PackedHead:
         self.dtype, self.cols = weight.dtype, weight.shape[1]
         rows = weight.shape[0]
         # loom's panels where the panel GEMM runs and every chunk is whole panels, else oneDNN's layout
-        self.panels = chunk % cpu_gemm.PANEL == 0 and rows % cpu_gemm.PANEL == 0 and _takes_panels(weight)
+        self.panels = chunk % cpu_gemm.PANEL == 0 and _takes_panels(weight)  # (which checks the rows)
         pack_chunk = cpu_gemm.to_panels if self.panels else pack_weight
         self.chunks = [(lo, min(lo + chunk, rows), pack_chunk(weight[lo:lo + chunk])) for lo in range(0, rows, chunk)]
         self._lookup: tuple | None = None
