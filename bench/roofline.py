@@ -241,9 +241,10 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         with record_function("loom::paged_decode"):
             return kernel_call(*a, **kw)
 
-    def named_prefill(*a: Any, **kw: Any) -> Any:
-        with record_function("loom::paged_prefill_amx"):
-            return prefill_call(*a, **kw)
+    def named_prefill(self: Any, query: Any, *a: Any, **kw: Any) -> Any:
+        name = "paged_prefill_f32" if query.dtype == torch.float32 else "paged_prefill_amx"
+        with record_function(f"loom::{name}"):
+            return prefill_call(self, query, *a, **kw)
 
     gemm_call = cpu_gemm.PanelGemm.__call__  # and loom's fp32 GEMM (eager steps: prefill, the LM head)
 

@@ -157,11 +157,11 @@ def test_self_check_turns_the_kernel_off_where_it_fails(kernel, caplog, fault):
 
     broken.prefill = prefill
     with caplog.at_level(logging.WARNING):
-        native._check_amx_prefill(broken, torch.Generator().manual_seed(0))
+        native._check_prefill(broken, torch.Generator().manual_seed(0), torch.bfloat16)
     assert not broken.amx_prefill and not broken.takes_amx_prefill(torch.bfloat16, 9, 3, 64)
     assert "prefill attention keeps torch's SDPA" in caplog.text
     assert kernel.amx_prefill  # the shared kernel as it was
-    native._check_amx_prefill(kernel, torch.Generator().manual_seed(0))  # the real one passes its own check
+    native._check_prefill(kernel, torch.Generator().manual_seed(0), torch.bfloat16)  # the real one passes its own check
     assert kernel.amx_prefill
 
 
@@ -194,12 +194,12 @@ def test_backend_sends_prefill_chunks_to_the_amx_kernel(kernel, monkeypatch, max
     without._kernel = None
     cache2 = cache.clone()
     out = with_kernel.forward(None, q, k, v, cache, md)
-    plan = md.scratch["torch_sdpa_plan_001"]
+    plan = md.scratch[f"torch_sdpa_plan_00{max_ctx}"]
     assert plan.decode.token_idx.tolist() == [0, 6]
     if max_ctx == 8192:
-        assert plan.amx.tolist() == [[1, 5, 13, 1], [7, 4, 4, 3]] and not plan.prefills and not plan.groups
+        assert plan.chunks.tolist() == [[1, 5, 13, 1], [7, 4, 4, 3]] and not plan.prefills and not plan.groups
     else:  # the chunk after an 8-token prefix reaches 13 > 12: torch SDPA
-        assert plan.amx.tolist() == [[7, 4, 4, 3]] and len(plan.prefills) == 1 and not plan.groups
+        assert plan.chunks.tolist() == [[7, 4, 4, 3]] and len(plan.prefills) == 1 and not plan.groups
     md.scratch.clear()
     want = without.forward(None, q, k, v, cache2, md)
     torch.testing.assert_close(out, want, atol=1.6e-2, rtol=1.6e-2)

@@ -31,7 +31,7 @@ from ...platforms.cpu_features import cpu_flags
 logger = init_logger(__name__)
 
 _SOURCES = ("paged_decode.c", "paged_decode_dpbf16.c", "paged_decode_q8.c",  # compiled as one unit, in this order
-            "paged_prefill_amx.c")
+            "paged_prefill_amx.c", "paged_prefill_f32.c")
 _FLAGS = [
     "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
     # let the compiler vectorize float reductions (dot products, sums) across lanes
@@ -143,6 +143,13 @@ class PagedDecode:
         self.amx_prefill = bool(lib.paged_prefill_amx_ready())
         """Whether ``prefill`` runs here: built for AMX (``paged_prefill_amx.c``) and the tiles granted;
         cleared by the self-check (``_check_amx_prefill``) where it fails or disagrees with the decode kernel."""
+        self._prefill_f32 = lib.paged_prefill_f32
+        self._prefill_f32.argtypes, self._prefill_f32.restype = _PREFILL_ARGTYPES, ctypes.c_int
+        lib.paged_prefill_f32_ready.restype = ctypes.c_int
+        self.f32_prefill = bool(lib.paged_prefill_f32_ready())
+        """Whether fp32 prefill chunks should go to ``prefill`` (``paged_prefill_f32.c``): built for
+        x86 with AVX2 and FMA and no AVX-512, where it was measured against torch's flash kernel.
+        The call itself works on every CPU."""
 
     def supports(self, dtype: torch.dtype, head_size: int) -> bool:
         return dtype in self._fns and head_size % 8 == 0 and head_size <= 256
@@ -164,32 +171,45 @@ class PagedDecode:
         return takes
 
     def takes_amx_prefill(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
-        """Whether :meth:`prefill` takes chunks of this shape: bf16, head size a multiple of 32 up to 128."""
+        """Whether :meth:`prefill` takes chunks of this shape on AMX tiles: bf16, head size a
+        multiple of 32 up to 128."""
         return (self.amx_prefill and dtype == torch.bfloat16 and head_size % 32 == 0 and 0 < head_size <= 128
+                and num_heads % num_kv_heads == 0)
+
+    def takes_f32_prefill(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+        """Whether fp32 prefill chunks of this shape should go to :meth:`prefill` here
+        (``f32_prefill``): head size a multiple of 16 up to 256."""
+        return (self.f32_prefill and dtype == torch.float32 and head_size % 16 == 0 and 0 < head_size <= 256
                 and num_heads % num_kv_heads == 0)
 
     def prefill(self, query: torch.Tensor, chunks: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 tables: torch.Tensor, out: torch.Tensor, *, num_heads: int, block_size: int, scale: float) -> None:
-        """Write into ``out`` the causal attention of the step's prefill ``chunks`` on AMX tiles
-        (``paged_prefill_amx.c``): (n, 4) int64 rows of (first query row, tokens, context, row of
-        ``tables``), a chunk's query rows the last ``tokens`` positions of its context, whose K/V
-        (its own included) are in the cache. Other layouts as in :meth:`__call__`."""
+        """Write into ``out`` the causal attention of the step's prefill ``chunks``: bf16 on AMX tiles
+        (``paged_prefill_amx.c``), fp32 on 8-lane FMA tiles (``paged_prefill_f32.c``). ``chunks``:
+        (n, 4) int64 rows of (first query row, tokens, context, row of ``tables``), a chunk's query
+        rows the last ``tokens`` positions of its context, whose K/V (its own included) are in the
+        cache. Other layouts as in :meth:`__call__`."""
         _, hk, d = k_cache.shape
-        if not (query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
+        fp32 = query.dtype == torch.float32
+        name = "paged_prefill_f32" if fp32 else "paged_prefill_amx"
+        if not (query.dtype == k_cache.dtype == v_cache.dtype == out.dtype and query.dtype in (torch.float32,
+                                                                                            torch.bfloat16)
                 and query.stride(1) == out.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and tables.dtype == torch.int64 and tables.stride(1) == 1 and chunks.dtype == torch.int64
                 and chunks.is_contiguous() and chunks.dim() == 2 and chunks.shape[1] == 4):
-            raise ValueError("paged_prefill_amx: dtypes or strides do not match the kernel's layout")
-        rc = call(self._prefill_amx, query.data_ptr(), query.stride(0), chunks.data_ptr(), chunks.shape[0],
-                  k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), out.data_ptr(),
-                  out.stride(0), num_heads, hk, d, block_size, torch.get_num_threads(), scale)
+            raise ValueError(f"{name}: dtypes or strides do not match the kernel's layout")
+        rc = call(self._prefill_f32 if fp32 else self._prefill_amx, query.data_ptr(), query.stride(0),
+                  chunks.data_ptr(), chunks.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                  tables.stride(0), out.data_ptr(), out.stride(0), num_heads, hk, d, block_size,
+                  torch.get_num_threads(), scale)
         if rc == 2:
-            raise ValueError(f"paged_prefill_amx: head size {d} is not a multiple of 32 up to 128, or {num_heads} "
-                             f"heads are not a multiple of {hk} KV heads")
+            sizes = "a multiple of 16 up to 256" if fp32 else "a multiple of 32 up to 128"
+            raise ValueError(f"{name}: head size {d} is not {sizes}, or {num_heads} heads are not a multiple of "
+                             f"{hk} KV heads")
         if rc == 3:
             raise RuntimeError("paged_prefill_amx: this build has no AMX kernel, or Linux refused the tiles")
         if rc:
-            raise MemoryError("the CPU AMX prefill kernel could not allocate its scratch memory")
+            raise MemoryError(f"the CPU prefill kernel ({name}) could not allocate its scratch memory")
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, k_rows: torch.Tensor,
                  v_rows: torch.Tensor) -> bool:
@@ -292,14 +312,18 @@ def _self_check(kernel: PagedDecode) -> None:
         raise NativeKernelError(f"the compiled kernel disagrees with torch in bf16 with head size {d} "
                                 f"(max error {(out[rows_q].float() - want).abs().max():.3g})")
     if kernel.amx_prefill:
-        _check_amx_prefill(kernel, g)
+        _check_prefill(kernel, g, torch.bfloat16)
+    if kernel.f32_prefill:
+        _check_prefill(kernel, g, torch.float32)
 
 
-def _check_amx_prefill(kernel: PagedDecode, g: torch.Generator) -> None:
-    """Prefill chunks on AMX tiles against the decode kernel's rows (already checked against torch):
-    a partial 16-row block, whole blocks read from the step's rows in place, two key blocks at a
-    time, every tile of a head of 128, and a context of two softmax passes. Where they disagree,
-    or a call fails, prefills keep their other paths."""
+def _check_prefill(kernel: PagedDecode, g: torch.Generator, dtype: torch.dtype) -> None:
+    """Prefill chunks (bf16 on AMX tiles, or fp32) against the decode kernel's rows (already checked
+    against torch): a partial row block, whole blocks read from the step's rows in place, two key
+    blocks at a time, every tile of a head of 128, and a context of two of the AMX kernel's softmax
+    passes. Where they disagree, or a call fails, prefills of that dtype keep their other paths."""
+    flag, what = ("amx_prefill", "AMX") if dtype == torch.bfloat16 else ("f32_prefill", "fp32")
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     problems = [  # heads, KV heads, head size, block size, chunks (first row, tokens, context, table row)
         (4, 2, 128, 8, [[0, 5, 5, 1], [5, 38, 58, 0]]),  # 5 fresh tokens; 38 after 20 cached
         (2, 1, 32, 16, [[0, 20, 2048, 0]]),  # 20 after 2,028 cached: two whole passes
@@ -308,23 +332,23 @@ def _check_amx_prefill(kernel: PagedDecode, g: torch.Generator) -> None:
         for h, hk, d, bs, chunks in problems:
             blocks = (max(c[2] for c in chunks) + bs - 1) // bs
             tables = torch.randperm(len(chunks) * blocks, generator=g).view(len(chunks), blocks)
-            k_cache, v_cache = (torch.randn(tables.numel() * bs, hk, d, generator=g).to(torch.bfloat16)
-                                for _ in range(2))
+            k_cache, v_cache = (torch.randn(tables.numel() * bs, hk, d, generator=g).to(dtype) for _ in range(2))
             t = sum(c[1] for c in chunks)
-            query = torch.randn(t, h * d + 8, generator=g).to(torch.bfloat16)[:, : h * d]  # strided, as a qkv split
-            out, want = (torch.zeros(t, h * d, dtype=torch.bfloat16) for _ in range(2))
+            query = torch.randn(t, h * d + 8, generator=g).to(dtype)[:, : h * d]  # strided, as a qkv split
+            out, want = (torch.zeros(t, h * d, dtype=dtype) for _ in range(2))
             kernel.prefill(query, torch.tensor(chunks), k_cache, v_cache, tables, out, num_heads=h, block_size=bs,
                            scale=d**-0.5)
             rows_req = torch.cat([torch.full((n,), r) for _, n, _, r in chunks])  # each token a decode row
             ctx = torch.cat([torch.arange(c - n + 1, c + 1) for _, n, c, _ in chunks])
             kernel(query, torch.arange(t), rows_req, k_cache, v_cache, tables, ctx, want, num_heads=h,
                    block_size=bs, scale=d**-0.5)
-            if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
+            if not torch.allclose(out.float(), want.float(), atol=tol, rtol=tol):
                 raise NativeKernelError(f"it disagrees with the decode kernel (max error "
                                         f"{(out.float() - want.float()).abs().max():.3g})")
     except (RuntimeError, ValueError, MemoryError) as e:  # NativeKernelError among them
-        kernel.amx_prefill = False
-        logger.warning("The CPU AMX prefill kernel failed its self-check (%s); prefill attention keeps torch's SDPA", e)
+        setattr(kernel, flag, False)
+        logger.warning("The CPU %s prefill kernel failed its self-check (%s); prefill attention keeps torch's SDPA",
+                       what, e)
 
 
 @functools.cache

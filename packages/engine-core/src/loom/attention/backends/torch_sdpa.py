@@ -11,7 +11,9 @@ query over the positions up to its own (causal by construction, a cached prefix 
 kernel shares each K/V tile among 16 such rows). Where the compiled kernels have AMX tiles
 (``PagedDecode.takes_amx_prefill``: bf16, head size a multiple of 32 up to 128), every prefill
 chunk whose context is at most ``AMX_PREFILL_MAX_CTX`` runs in one call per layer of
-``paged_prefill_amx.c`` over the paged cache, a cached prefix included. Other prefill chunks with
+``paged_prefill_amx.c`` over the paged cache, a cached prefix included; in fp32 on AVX2 CPUs
+without AVX-512 (``PagedDecode.takes_f32_prefill``) those up to ``F32_PREFILL_MAX_CTX`` run the
+same way through ``paged_prefill_f32.c``. Other prefill chunks with
 no cached prefix run batched, one causal SDPA call per chunk length; a chunk after a cached
 prefix runs alone, masked over the prefix plus the chunk.
 Plans are built once per step and shared by all layers.
@@ -42,6 +44,14 @@ model (2026-12-06, 2 cores of a Xeon with AMX; ``bench/prefill_attention.py`` ti
 the backend): 16 prompts of 128 tokens 0.43 vs 1.33 ms, 8 prompts of 36-510 1.29 vs 4.70, 512
 after 1,536 cached 2.0 vs 4.3, one of 4,096 18 vs 26, one of 8,192 73 vs 98, one of 12,288 203
 vs 220, one of 16,384 406 vs 385."""
+
+F32_PREFILL_MAX_CTX = 8192
+"""Prefill chunks up to this context run through the fp32 kernel where it runs (AVX2 without
+AVX-512). Per layer of the default model, the kernel alone against the backend's forward on
+torch's flash kernel (2026-12-07, 2 cores of an AMD EPYC with AVX2): 16 prompts of 128 tokens
+2.85 vs 10.2 ms, 8 prompts of 36-510 5.3 vs 14.9, 512 after 1,536 cached 16.3 vs 22.3, one of
+2,048 36 vs 46, one of 4,096 147 vs 171. A row's whole context is one softmax pass, so past a
+few thousand tokens the flash kernel's blocking is the better shape."""
 
 
 @dataclass(slots=True)
@@ -78,7 +88,7 @@ class _Plan:
     decode: _DecodePlan | None
     prefills: list[_PrefillItem]  # chunks that attend to a cached prefix, one call each
     groups: list[_PrefillGroup]
-    amx: torch.Tensor | None = None  # (n, 4) prefill chunks for the AMX kernel: first row, tokens, context, request
+    chunks: torch.Tensor | None = None  # (n, 4) prefill chunks for the chunk kernel: first row, tokens, context, request
 
 
 # Gathered K/V of a step are tens of MB: a fresh allocation of that size is an mmap whose
@@ -122,14 +132,14 @@ def _group_rows(t: torch.Tensor, grp: _PrefillGroup) -> torch.Tensor:
 
 
 def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill: bool = False,
-               amx_prefill: bool = False) -> _Plan:
+               chunk_max_ctx: int = 0) -> _Plan:
     """Gather indices and masks for this step (computed once, reused by every layer); the
     decode requests' gather indices only when ``gather_decode`` (no native kernel). With
     ``kernel_prefill`` the prefill chunks up to ``KERNEL_PREFILL_MAX_CTX`` join the kernel's query
-    rows; with ``amx_prefill`` (which takes precedence) those up to ``AMX_PREFILL_MAX_CTX`` go to the
-    AMX kernel as chunks."""
-    kernel_prefill = kernel_prefill and not amx_prefill
-    key = f"torch_sdpa_plan_{int(gather_decode)}{int(kernel_prefill)}{int(amx_prefill)}"
+    rows; with ``chunk_max_ctx`` (which takes precedence) those up to that context go to a chunk
+    prefill kernel (``PagedDecode.prefill``)."""
+    kernel_prefill = kernel_prefill and not chunk_max_ctx
+    key = f"torch_sdpa_plan_{int(gather_decode)}{int(kernel_prefill)}{chunk_max_ctx}"
     plan = md.scratch.get(key)
     if plan is not None:
         return plan
@@ -164,9 +174,8 @@ def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill
             decode.slots = torch.gather(tables, 1, pos_c // bs) * bs + pos_c % bs
             decode.mask = valid[:, None, None, :]
     in_kernel = set(kernel_rows)
-    amx_rows = [i for i, q in enumerate(q_lens)
-                if amx_prefill and q > 1 and seq_lens[i] <= AMX_PREFILL_MAX_CTX]
-    in_kernel.update(amx_rows)
+    chunk_rows = [i for i, q in enumerate(q_lens) if q > 1 and seq_lens[i] <= chunk_max_ctx]
+    in_kernel.update(chunk_rows)
     prefills = []
     by_length: dict[int, list[int]] = {}
     for i, q in enumerate(q_lens):
@@ -184,8 +193,8 @@ def build_plan(md: AttentionMetadata, gather_decode: bool = True, kernel_prefill
     groups = [_PrefillGroup(q, (torch.tensor(first).unsqueeze(1) + torch.arange(q)).reshape(-1),
                             (first[0], first[0] + q * len(first)) if _one_run(first, q) else None)
               for q, first in by_length.items()]
-    amx = torch.tensor([[starts[i], q_lens[i], seq_lens[i], i] for i in amx_rows]) if amx_rows else None
-    plan = _Plan(decode, prefills, groups, amx)
+    chunks = torch.tensor([[starts[i], q_lens[i], seq_lens[i], i] for i in chunk_rows]) if chunk_rows else None
+    plan = _Plan(decode, prefills, groups, chunks)
     md.scratch[key] = plan
     return plan
 
@@ -236,10 +245,15 @@ class TorchSDPAImpl(AttentionImpl):
         kernel = self._kernel_for(dtype)
         return kernel is not None and kernel.takes_prefill(dtype, self.num_heads, self.num_kv_heads, self.head_size)
 
-    def _takes_amx_prefill(self, dtype: torch.dtype) -> bool:
+    def _chunk_prefill_max_ctx(self, dtype: torch.dtype) -> int:
+        """The longest context whose prefill chunks go to the kernel's ``prefill`` (0: none do)."""
         kernel = self._kernel_for(dtype)
-        return kernel is not None and kernel.takes_amx_prefill(dtype, self.num_heads, self.num_kv_heads,
-                                                               self.head_size)
+        if kernel is None:
+            return 0
+        shape = (dtype, self.num_heads, self.num_kv_heads, self.head_size)
+        if kernel.takes_amx_prefill(*shape):
+            return AMX_PREFILL_MAX_CTX
+        return F32_PREFILL_MAX_CTX if kernel.takes_f32_prefill(*shape) else 0
 
     def forward(
         self,
@@ -254,9 +268,9 @@ class TorchSDPAImpl(AttentionImpl):
         H, Hk, D, g = self.num_heads, self.num_kv_heads, self.head_size, self.group
         self._write(key.reshape(T, Hk * D), value.reshape(T, Hk * D), kv_cache, attn_metadata)
         in_kernel = self.decodes_in_kernel(query.dtype)
-        amx = in_kernel and self._takes_amx_prefill(query.dtype)
+        chunk_max_ctx = self._chunk_prefill_max_ctx(query.dtype) if in_kernel else 0
         plan = build_plan(attn_metadata, gather_decode=not in_kernel,
-                          kernel_prefill=in_kernel and self._takes_prefill(query.dtype), amx_prefill=amx)
+                          kernel_prefill=in_kernel and self._takes_prefill(query.dtype), chunk_max_ctx=chunk_max_ctx)
         if query.stride(-1) != 1:
             query = query.contiguous()
         q = query.view(T, H, D)
@@ -272,8 +286,8 @@ class TorchSDPAImpl(AttentionImpl):
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)  # (Bd, Hk, ctx, D)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=d.mask, scale=self.scale)
             out[d.token_idx] = od.reshape(Bd, H, D)
-        if plan.amx is not None:
-            self._kernel.prefill(query, plan.amx, kv_cache[0].view(-1, Hk, D), kv_cache[1].view(-1, Hk, D),
+        if plan.chunks is not None:
+            self._kernel.prefill(query, plan.chunks, kv_cache[0].view(-1, Hk, D), kv_cache[1].view(-1, Hk, D),
                                  attn_metadata.block_tables, out.view(T, H * D), num_heads=H,
                                  block_size=attn_metadata.block_size, scale=self.scale)
         # 4-D inputs take torch's flash kernel on CPU (3-D ones do not: about 2x slower); it

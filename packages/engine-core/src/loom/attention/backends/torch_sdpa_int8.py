@@ -32,8 +32,8 @@ class TorchSDPAInt8Impl(TorchSDPAImpl):
     def _takes_prefill(self, dtype: torch.dtype) -> bool:
         return False  # the int8 kernel takes decode rows only
 
-    def _takes_amx_prefill(self, dtype: torch.dtype) -> bool:
-        return False  # the AMX kernel reads a bf16 cache
+    def _chunk_prefill_max_ctx(self, dtype: torch.dtype) -> int:
+        return 0  # the chunk kernels read a cache in the model's dtype
 
     def _write(self, key_rows: torch.Tensor, value_rows: torch.Tensor, kv_cache: torch.Tensor,
                md: AttentionMetadata) -> None:
