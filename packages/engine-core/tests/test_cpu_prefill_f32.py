@@ -155,7 +155,7 @@ def test_self_check_turns_the_kernel_off_where_it_fails(kernel, monkeypatch, cap
     assert kernel.f32_prefill
 
 
-@pytest.mark.parametrize("max_ctx", [8192, 12])
+@pytest.mark.parametrize("max_ctx", [4096, 12])
 def test_backend_sends_fp32_prefill_chunks_to_the_kernel(kernel, monkeypatch, max_ctx):
     """fp32 with the kernel on: every prefill chunk up to F32_PREFILL_MAX_CTX (fresh, or after a
     cached prefix) goes to it in one call, decodes to the decode kernel, a longer chunk to torch's
@@ -177,7 +177,7 @@ def test_backend_sends_fp32_prefill_chunks_to_the_kernel(kernel, monkeypatch, ma
     out = with_kernel.forward(None, q, k, v, cache, md)
     plan = md.scratch[f"torch_sdpa_plan_00{max_ctx}"]
     assert plan.decode.token_idx.tolist() == [0, 6]
-    if max_ctx == 8192:
+    if max_ctx == 4096:
         assert calls == [[[1, 5, 13, 1], [7, 4, 4, 3]]] and not plan.prefills and not plan.groups
     else:  # the chunk after an 8-token prefix reaches 13 > 12: torch SDPA
         assert calls == [[[7, 4, 4, 3]]] and len(plan.prefills) == 1 and not plan.groups
