@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
 
 import matplotlib.image
@@ -136,3 +139,30 @@ def test_plot_without_matplotlib_says_how_to_install(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     with pytest.raises(ImportError, match=r"^--plot needs matplotlib: pip install matplotlib"):
         plots.require_matplotlib()
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_its_server(tmp_path) -> None:
+    """The server runs in a session of its own; a SIGTERM to the benchmark (``kill``, a CI
+    timeout) still reaches the benchmark's ``finally: stop(proc)`` and nothing is left running.
+    A stand-in ``loom serve`` (a sleeping Python) keeps the test about the process handling."""
+    script = tmp_path / "bench.py"
+    script.write_text(
+        "import sys, time\n"
+        "from loom.benchmarks import server\n"
+        "server.SERVE = [sys.executable, '-c', 'import time; time.sleep(120)']\n"
+        f"proc, url, _ = server.start([], {str(tmp_path / 'serve.log')!r})\n"
+        "try:\n"
+        "    print(proc.pid, flush=True)\n"
+        "    time.sleep(120)\n"
+        "finally:\n"
+        "    server.stop(proc, timeout=10)\n"
+    )
+    bench = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(bench.stdout.readline())
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        with pytest.raises(ProcessLookupError):  # stopped and reaped by the benchmark
+            os.kill(child, 0)
+    finally:
+        bench.kill()

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -25,9 +26,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (``kill``, a CI timeout) ends this process by ``SystemExit``, so the callers'
+    ``finally: stop(proc)`` runs: the server is in a session of its own, and Python's default
+    SIGTERM ends the benchmark at once, leaving the server behind. Only from the main thread,
+    and only where SIGTERM still has its default handler."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def start(args: list[str], log_path: str) -> tuple[subprocess.Popen, str, float]:
     """Launch ``loom serve ARGS`` on a free port; returns (process, base url, launch time
-    from ``time.perf_counter``)."""
+    from ``time.perf_counter``). Callers stop it in a ``finally`` (:func:`stop`), which a
+    SIGTERM to this process now reaches too."""
+    _exit_on_sigterm()
     port = free_port()
     with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
         launched = time.perf_counter()
