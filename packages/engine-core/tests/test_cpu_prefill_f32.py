@@ -53,8 +53,9 @@ def test_ready_where_measured(kernel):
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (12, 12, 64), (8, 2, 128), (4, 1, 32),
-                                                             (6, 2, 96), (2, 1, 16), (2, 2, 256)])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+                                                             (6, 2, 96), (2, 1, 16), (2, 2, 256), (14, 2, 64),
+                                                             (8, 1, 32)])
+@pytest.mark.parametrize("block_size", [8, 16, 128])
 @pytest.mark.parametrize("nthreads", [1, 2, 3])
 def test_chunks_against_torch(kernel, monkeypatch, heads, kv_heads, head_size, block_size, nthreads):
     """Chunks of 1-300 tokens (parts of a long one on different threads; row blocks of 6 cut
@@ -113,6 +114,34 @@ def test_large_scores_and_uniform_rows(kernel):
     mean = torch.stack([v_cache[:61 + i].double().mean(0).repeat_interleave(2, dim=0).reshape(-1)
                         for i in range(40)])
     torch.testing.assert_close(out.double(), mean, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_reaches_only_the_rows_that_see_it(kernel, bad):
+    """A NaN or inf in V at position 7 of a 12-token chunk, or in a query row: the rows whose
+    context holds it (positions 7 on, or that row) are not finite, every other row is exactly
+    what it is without it, as in the decode kernel."""
+    h, hk, d, bs = 6, 2, 64, 16
+    g = torch.Generator().manual_seed(9)
+    tables = torch.arange(2).view(1, 2)
+    k_cache, v_cache = (torch.randn(32, hk, d, generator=g) for _ in range(2))
+    query = torch.randn(12, h * d, generator=g)
+    chunks = torch.tensor([[0, 12, 12, 0]])
+    clean = torch.empty(12, h * d)
+    kernel.prefill(query, chunks, k_cache, v_cache, tables, clean, num_heads=h, block_size=bs, scale=d**-0.5)
+    v_bad = v_cache.clone()
+    v_bad[7, 0, 5] = bad  # KV head 0: query heads 0-2
+    out = torch.empty(12, h * d)
+    kernel.prefill(query, chunks, k_cache, v_bad, tables, out, num_heads=h, block_size=bs, scale=d**-0.5)
+    finite = torch.isfinite(out).view(12, h, d).all(dim=2)
+    assert finite[:7].all() and not finite[7:, :3].any() and finite[:, 3:].all()
+    assert torch.equal(out.view(12, h, d)[:7], clean.view(12, h, d)[:7])
+    q_bad = query.clone()
+    q_bad[4, 70] = bad  # query head 1 of token 4
+    kernel.prefill(q_bad, chunks, k_cache, v_cache, tables, out, num_heads=h, block_size=bs, scale=d**-0.5)
+    others = torch.ones(12, h, dtype=torch.bool)
+    others[4, 1] = False
+    assert torch.equal(out.view(12, h, d)[others], clean.view(12, h, d)[others])
 
 
 def test_rejects_what_it_does_not_take(kernel):

@@ -19,7 +19,7 @@
  *     are skipped, so a block computes at most 15 + 5 keys past a row's own position);
  *   - per row, the softmax's exponentials over its own positions (the decode kernel's
  *     softmax_rows, so both kernels round alike), zeros past them;
- *   - P . V over the block's keys, 16 elements of D at a time, divided by the row's sum.
+ *   - P . V over each row's own keys, 16 elements of D at a time, divided by the row's sum.
  * A row's whole context is in one pass (no online softmax), so the scores of a block are 6 rows
  * of the context; the backend sends chunks up to F32_PREFILL_MAX_CTX here (torch_sdpa.py).
  *
@@ -81,18 +81,30 @@ static inline void p32_scores(const float *const q[P32_MR], const float *panel, 
     }
 }
 
-/* o[r * D + j .. + 16] = sum over keys u < nk of p[r * ss + u] * V[u][j .. + 16], for every j */
-static inline void p32_pv(const float *p, int64_t ss, const float *vp, int64_t D, int64_t nk, float *o) {
+/* o[r * D + j .. + 16] = sum over keys u < lo + r of p[r * ss + u] * V[u][j .. + 16], for every j:
+ * row r of the block sees the keys before lo (the first row's count) and r more. A key past a
+ * row's position is not multiplied in at all (its P is zero, but 0 * inf or NaN in V is NaN):
+ * a non-finite V reaches only the rows whose context holds it, as in the decode kernel. */
+static inline void p32_pv(const float *p, int64_t ss, const float *vp, int64_t D, int64_t lo, int64_t nk, float *o) {
     for (int64_t j = 0; j < D; j += 16) {
         v8f a0[P32_MR], a1[P32_MR];
         for (int r = 0; r < P32_MR; r++) a0[r] = a1[r] = (v8f){0};
-        for (int64_t u = 0; u < nk; u++) {
+        for (int64_t u = 0; u < lo; u++) {
             const v8f v0 = load_f32(vp + u * D + j), v1 = load_f32(vp + u * D + j + 8);
             for (int r = 0; r < P32_MR; r++) {
                 const float x = p[r * ss + u];
                 a0[r] += x * v0;
                 a1[r] += x * v1;
             }
+        }
+        for (int64_t u = lo; u < nk; u++) { /* the block's last keys: rows from u - lo + 1 on */
+            const v8f v0 = load_f32(vp + u * D + j), v1 = load_f32(vp + u * D + j + 8);
+            for (int r = 0; r < P32_MR; r++)
+                if (r > u - lo) {
+                    const float x = p[r * ss + u];
+                    a0[r] += x * v0;
+                    a1[r] += x * v1;
+                }
         }
         for (int r = 0; r < P32_MR; r++) {
             memcpy(o + r * D + j, &a0[r], sizeof a0[r]);
@@ -121,7 +133,7 @@ static void p32_item(const float *query, int64_t qs, const int64_t *ch, const fl
                 if (own) softmax_rows(sr, 1, ss, own, ml + 2 * r, 0);
                 memset(sr + own, 0, (nk - own) * sizeof(float));
             }
-            p32_pv(s, ss, vp, D, nk, o);
+            p32_pv(s, ss, vp, D, prefix + t + 1, nk, o);
             for (int64_t r = 0; r < nr; r++) {
                 const float inv = 1.f / ml[2 * r + 1];
                 float *dst = out + (first + t + r) * os + h * D;
