@@ -180,6 +180,55 @@ void paged_decode_thread_share(const int64_t *cost, int64_t n, int nt, int tid, 
     thread_share(cost, n, nt, tid, lo, hi);
 }
 
+/* ---- A step's prefill chunks as work items (paged_prefill_amx.c, paged_prefill_f32.c) ----
+ * An item is (chunk, KV head, rows [r0, r1) of the chunk); chunks (n x 4) as those kernels take
+ * them. The chunks are cut into parts of one size: at least part_min rows (unless the chunk is
+ * shorter), a multiple of part_round, so that the step gives each of the threads about per_thread
+ * items (each item lays its keys out anew, so finer parts would cost more than they balance).
+ * An item's cost: laying out its keys (2 a key), then per row and query head the keys it sees
+ * (its prefix, the part's middle row, ITEM_TOKENS), those divided by row_div (what a row's key
+ * costs against laying one out). *item_out (4 int64 an item: chunk, KV head, r0, r1) and
+ * *cost_out are malloc'd; returns the number of items (0: none, nothing allocated) or -1 where
+ * memory ran out. */
+static int64_t prefill_items(const int64_t *chunks, int64_t n, int64_t Hk, int64_t g, int nthreads,
+                             int64_t per_thread, int64_t part_min, int64_t part_round, int64_t row_div,
+                             int64_t **item_out, int64_t **cost_out) {
+    int64_t items = 0, rows = 0;
+    for (int64_t c = 0; c < n; c++) rows += chunks[4 * c + 1];
+    const int64_t share = per_thread * (int64_t)nthreads;
+    int64_t part = (rows * Hk + share - 1) / share;
+    part = part < part_min ? part_min : (part + part_round - 1) / part_round * part_round;
+    for (int64_t c = 0; c < n; c++) items += Hk * ((chunks[4 * c + 1] + part - 1) / part);
+    if (!items) return 0;
+    int64_t *item = malloc(items * 4 * sizeof(int64_t)), *cost = malloc(items * sizeof(int64_t));
+    if (!item || !cost) { free(item); free(cost); return -1; }
+    int64_t it = 0;
+    for (int64_t c = 0; c < n; c++) {
+        const int64_t tokens = chunks[4 * c + 1], prefix = chunks[4 * c + 2] - tokens;
+        for (int64_t kh = 0; kh < Hk; kh++)
+            for (int64_t r0 = 0; r0 < tokens; r0 += part, it++) {
+                const int64_t r1 = r0 + part < tokens ? r0 + part : tokens;
+                item[4 * it] = c, item[4 * it + 1] = kh, item[4 * it + 2] = r0, item[4 * it + 3] = r1;
+                cost[it] = 2 * (prefix + r1) + g * (r1 - r0) * (prefix + (r0 + r1) / 2 + ITEM_TOKENS) / row_div;
+            }
+    }
+    *item_out = item, *cost_out = cost;
+    return items;
+}
+
+/* the most keys one of items [lo, hi) sees (its chunk's prefix and its last row), at least `least`,
+ * rounded up to a multiple of `round`: what a thread's scratch for its items is sized by */
+static int64_t prefill_items_keys(const int64_t *chunks, const int64_t *item, int64_t lo, int64_t hi,
+                                  int64_t least, int64_t round) {
+    int64_t kmax = least;
+    for (int64_t i = lo; i < hi; i++) {
+        const int64_t *ch = chunks + 4 * item[4 * i];
+        const int64_t keys = ch[2] - ch[1] + item[4 * i + 3];
+        kmax = keys > kmax ? keys : kmax;
+    }
+    return (kmax + round - 1) / round * round;
+}
+
 /* the largest of a row's first ctx scores (sr[0] where ctx < 1), eight lanes at a time (GCC does
  * not vectorize the scalar loop's compare-and-select: 9 ns a token a layer of the fp32 kernel's
  * 80). Every lane starts from sr[0], so a NaN is kept or skipped exactly as the scalar loop does

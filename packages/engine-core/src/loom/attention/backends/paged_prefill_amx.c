@@ -325,41 +325,17 @@ int paged_prefill_amx_bf16(const bf16_t *query, int64_t qs, const int64_t *chunk
     if (Hk <= 0 || H % Hk || D % 32 || D > 128 || D <= 0) return 2;
     if (nthreads < 1) nthreads = 1;
     const int64_t g = H / Hk;
-    int64_t items = 0;
-    int64_t rows = 0;
-    for (int64_t c = 0; c < n; c++) rows += chunks[4 * c + 1];
-    const int64_t share = PF_ITEMS_PER_THREAD * (int64_t)nthreads;
-    int64_t part = (rows * Hk + share - 1) / share;
-    part = part < PF_PART_MIN ? PF_PART_MIN : (part + 15) / 16 * 16;
-    for (int64_t c = 0; c < n; c++) items += Hk * ((chunks[4 * c + 1] + part - 1) / part);
-    if (!items) return 0;
-    int64_t *item = malloc(items * 4 * sizeof(int64_t)); /* chunk, KV head, first row, end row */
-    int64_t *cost = malloc(items * sizeof(int64_t));
-    if (!item || !cost) { free(item); free(cost); return 1; }
-    int64_t it = 0;
-    for (int64_t c = 0; c < n; c++) {
-        const int64_t tokens = chunks[4 * c + 1], prefix = chunks[4 * c + 2] - tokens;
-        for (int64_t kh = 0; kh < Hk; kh++)
-            for (int64_t r0 = 0; r0 < tokens; r0 += part, it++) {
-                const int64_t r1 = r0 + part < tokens ? r0 + part : tokens;
-                item[4 * it] = c, item[4 * it + 1] = kh, item[4 * it + 2] = r0, item[4 * it + 3] = r1;
-                /* laying out the keys, then per row and query head its keys (a block's at least) */
-                cost[it] = 2 * (prefix + r1) + g * (r1 - r0) * (prefix + (r0 + r1) / 2 + ITEM_TOKENS) / 16;
-            }
-    }
+    int64_t *item, *cost; /* a row's keys cost about a sixteenth of laying one out: 16 rows share a tile */
+    const int64_t items = prefill_items(chunks, n, Hk, g, nthreads, PF_ITEMS_PER_THREAD, PF_PART_MIN, 16, 16,
+                                        &item, &cost);
+    if (items <= 0) return items < 0;
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         int64_t lo, hi;
         thread_share(cost, items, nt, tid, &lo, &hi);
-        int64_t kmax = 32;
-        for (int64_t i = lo; i < hi; i++) {
-            const int64_t *ch = chunks + 4 * item[4 * i];
-            const int64_t keys = ch[2] - ch[1] + item[4 * i + 3];
-            kmax = keys > kmax ? keys : kmax;
-        }
-        kmax = (kmax + 31) / 32 * 32;
+        const int64_t kmax = prefill_items_keys(chunks, item, lo, hi, 32, 32);
         const int64_t sw = (kmax < PF_PASS ? kmax : PF_PASS) + 16; /* a pass's keys, rows not 4 KB apart */
         /* K and V laid out, scores, probabilities, a padded query block, a block of results, the sums */
         const size_t kv_bytes = (size_t)kmax * D * sizeof(bf16_t);

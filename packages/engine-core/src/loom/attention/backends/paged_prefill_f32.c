@@ -148,40 +148,17 @@ int paged_prefill_f32(const float *query, int64_t qs, const int64_t *chunks, int
     if (Hk <= 0 || H % Hk || D % 16 || D > 256 || D <= 0) return 2;
     if (nthreads < 1) nthreads = 1;
     const int64_t g = H / Hk;
-    int64_t items = 0, rows = 0;
-    for (int64_t c = 0; c < n; c++) rows += chunks[4 * c + 1];
-    const int64_t share = P32_ITEMS_PER_THREAD * (int64_t)nthreads;
-    int64_t part = (rows * Hk + share - 1) / share;
-    part = part < P32_PART_MIN ? P32_PART_MIN : (part + P32_MR - 1) / P32_MR * P32_MR;
-    for (int64_t c = 0; c < n; c++) items += Hk * ((chunks[4 * c + 1] + part - 1) / part);
-    if (!items) return 0;
-    int64_t *item = malloc(items * 4 * sizeof(int64_t)); /* chunk, KV head, first row, end row */
-    int64_t *cost = malloc(items * sizeof(int64_t));
-    if (!item || !cost) { free(item); free(cost); return 1; }
-    int64_t it = 0;
-    for (int64_t c = 0; c < n; c++) {
-        const int64_t tokens = chunks[4 * c + 1], prefix = chunks[4 * c + 2] - tokens;
-        for (int64_t kh = 0; kh < Hk; kh++)
-            for (int64_t r0 = 0; r0 < tokens; r0 += part, it++) {
-                const int64_t r1 = r0 + part < tokens ? r0 + part : tokens;
-                item[4 * it] = c, item[4 * it + 1] = kh, item[4 * it + 2] = r0, item[4 * it + 3] = r1;
-                /* laying out the keys, then per row and query head its keys */
-                cost[it] = 2 * (prefix + r1) + g * (r1 - r0) * (prefix + (r0 + r1) / 2 + ITEM_TOKENS);
-            }
-    }
+    int64_t *item, *cost;
+    const int64_t items = prefill_items(chunks, n, Hk, g, nthreads, P32_ITEMS_PER_THREAD, P32_PART_MIN, P32_MR, 1,
+                                        &item, &cost);
+    if (items <= 0) return items < 0;
     int failed = 0;
     _Pragma("omp parallel num_threads(nthreads)")
     {
         const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
         int64_t lo, hi;
         thread_share(cost, items, nt, tid, &lo, &hi);
-        int64_t kmax = 16;
-        for (int64_t i = lo; i < hi; i++) {
-            const int64_t *ch = chunks + 4 * item[4 * i];
-            const int64_t keys = ch[2] - ch[1] + item[4 * i + 3];
-            kmax = keys > kmax ? keys : kmax;
-        }
-        kmax = (kmax + 15) / 16 * 16;
+        const int64_t kmax = prefill_items_keys(chunks, item, lo, hi, 16, 16);
         const int64_t ss = kmax + 16; /* score rows not a multiple of 4 KB apart */
         const size_t bytes = (2 * kmax * D + P32_MR * ss + P32_MR * D) * sizeof(float);
         float *mem = lo < hi ? aligned_alloc(64, (bytes + 63) / 64 * 64) : NULL;
