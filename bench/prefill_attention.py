@@ -1,17 +1,21 @@
-"""A prefill step's attention, through the CPU torch-SDPA backend, with and without the AMX kernel.
+"""A prefill step's attention, through the CPU torch-SDPA backend, with and without loom's prefill kernel.
 
-The default model's heads (9 query heads, 3 KV heads of 64, bf16, blocks of 16 tokens). Each
-case is one step's prefill chunks (fresh prompts, or a chunk after a cached prefix); the
-backend's ``forward`` (writing the chunks' K/V into the cache, then attending) runs with the
-AMX prefill kernel (``paged_prefill_amx.c``) and without it (torch's flash kernel, one call per
-chunk length, or per chunk after a prefix over its gathered K/V), alternated; each figure is
-the median of ``--rounds`` rounds, ms a layer.
+The default model's heads (9 query heads, 3 KV heads of 64, blocks of 16 tokens), in bf16 with
+the AMX prefill kernel (``paged_prefill_amx.c``) or in fp32 (``--dtype float32``) with the fp32
+one (``paged_prefill_f32.c``). Each case is one step's prefill chunks (fresh prompts, or a chunk
+after a cached prefix); the backend's ``forward`` (writing the chunks' K/V into the cache, then
+attending) runs with the kernel and without it (torch's flash kernel, one call per chunk length,
+or per chunk after a prefix over its gathered K/V), alternated; each figure is the median of
+``--rounds`` rounds, ms a layer. The kernel is switched on for every case, whatever the
+backend's context limit (``AMX_PREFILL_MAX_CTX``, ``F32_PREFILL_MAX_CTX``), so the cases past
+the limit show why it is there.
 
     python bench/prefill_attention.py
-    python bench/prefill_attention.py --rounds 15 --threads 2
+    python bench/prefill_attention.py --dtype float32 --rounds 15 --threads 2
 
-Random K/V and queries (the time depends on the lengths, not the values). Runs where the AMX
-kernel does (a CPU with AMX-BF16); on a shared machine, compare figures from the same minutes.
+Random K/V and queries (the time depends on the lengths, not the values). Runs where the kernel
+does: bf16 on a CPU with AMX-BF16; fp32 anywhere the kernels build (the backend uses it on x86
+with AVX2 and no AVX-512). On a shared machine, compare figures from the same minutes.
 """
 
 from __future__ import annotations
@@ -23,15 +27,16 @@ import sys
 import time
 
 import torch
-from loom.attention.backends import native
+from loom.attention.backends import native, torch_sdpa
 from loom.attention.backends.torch_sdpa import TorchSDPAImpl
 from loom_plugin_api import AttentionMetadata
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16
 
 
-def step(chunks: list[tuple[int, int]], g: torch.Generator) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Metadata and a bf16 cache for one step of (tokens, cached prefix) chunks, blocks scattered."""
+def step(chunks: list[tuple[int, int]], g: torch.Generator,
+         dtype: torch.dtype = torch.bfloat16) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata and a cache for one step of (tokens, cached prefix) chunks, blocks scattered."""
     ctx = [t + p for t, p in chunks]
     blocks = [(c + BLOCK - 1) // BLOCK for c in ctx]
     order = torch.randperm(sum(blocks), generator=g)
@@ -49,27 +54,28 @@ def step(chunks: list[tuple[int, int]], g: torch.Generator) -> tuple[AttentionMe
         query_lens=q_lens, seq_lens_list=ctx, max_query_len=max(q_lens), max_seq_len=max(ctx),
         block_tables=tables, slot_mapping=tables[req, positions // BLOCK] * BLOCK + positions % BLOCK,
         block_size=BLOCK)
-    cache = torch.randn(2, used, BLOCK, KV_HEADS, HEAD_SIZE, generator=g).to(torch.bfloat16)
+    cache = torch.randn(2, used, BLOCK, KV_HEADS, HEAD_SIZE, generator=g).to(dtype)
     return md, cache
 
 
 def time_case(impl: TorchSDPAImpl, kernel: native.PagedDecode, chunks: list[tuple[int, int]], rounds: int,
-              g: torch.Generator) -> tuple[float, float]:
-    md, cache = step(chunks, g)
+              g: torch.Generator, dtype: torch.dtype) -> tuple[float, float]:
+    md, cache = step(chunks, g, dtype)
     T = md.num_tokens
-    q, k, v = (torch.randn(T, n * HEAD_SIZE, generator=g).to(torch.bfloat16) for n in (HEADS, KV_HEADS, KV_HEADS))
+    q, k, v = (torch.randn(T, n * HEAD_SIZE, generator=g).to(dtype) for n in (HEADS, KV_HEADS, KV_HEADS))
+    flag = "amx_prefill" if dtype == torch.bfloat16 else "f32_prefill"
     times: dict[bool, list[float]] = {True: [], False: []}
     with torch.inference_mode():
         for _ in range(rounds):
-            for amx in (True, False):
-                kernel.amx_prefill = amx
+            for on in (True, False):
+                setattr(kernel, flag, on)
                 md.scratch.clear()
                 impl.forward(None, q, k, v, cache, md)  # the step's plan (built once for all layers), warm-up
                 start = time.perf_counter()
                 for _ in range(5):
                     impl.forward(None, q, k, v, cache, md)
-                times[amx].append((time.perf_counter() - start) / 5 * 1e3)
-    kernel.amx_prefill = True
+                times[on].append((time.perf_counter() - start) / 5 * 1e3)
+    setattr(kernel, flag, True)
     return statistics.median(times[True]), statistics.median(times[False])
 
 
@@ -77,15 +83,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     kernel = native.paged_decode()
-    if kernel is None or not kernel.takes_amx_prefill(torch.bfloat16, HEADS, KV_HEADS, HEAD_SIZE):
-        sys.exit("the AMX prefill kernel does not run here (it needs a CPU with AMX-BF16 and a C compiler)")
+    if kernel is None:
+        sys.exit("the CPU attention kernels did not build here (they need a C compiler with OpenMP)")
+    if dtype == torch.bfloat16 and not kernel.takes_amx_prefill(dtype, HEADS, KV_HEADS, HEAD_SIZE):
+        sys.exit("the AMX prefill kernel does not run here (it needs a CPU with AMX-BF16); try --dtype float32")
+    name = "AMX kernel" if dtype == torch.bfloat16 else "fp32 kernel"
     impl = TorchSDPAImpl(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
+    # every case through the kernel where it is switched on, past the backend's limits too
+    torch_sdpa.AMX_PREFILL_MAX_CTX = torch_sdpa.F32_PREFILL_MAX_CTX = 1 << 20
     rng = random.Random(0)
     mixed = [(rng.randint(16, 512), 0) for _ in range(8)]
     cases = {
@@ -98,11 +111,12 @@ def main() -> None:
         "one prompt of 8,192": [(8192, 0)],
     }
     g = torch.Generator().manual_seed(0)
-    print(f"{torch.get_num_threads()} threads, {HEADS}/{KV_HEADS} heads of {HEAD_SIZE}, bf16, median of "
-          f"{args.rounds} rounds\n\n| step's prefill chunks | AMX kernel ms | torch SDPA ms | SDPA / AMX |\n|---|---|---|---|")
-    for name, chunks in cases.items():
-        amx, sdpa = time_case(impl, kernel, chunks, args.rounds, g)
-        print(f"| {name} | {amx:.2f} | {sdpa:.2f} | {sdpa / amx:.2f}x |", flush=True)
+    print(f"{torch.get_num_threads()} threads, {HEADS}/{KV_HEADS} heads of {HEAD_SIZE}, {args.dtype}, median of "
+          f"{args.rounds} rounds\n\n| step's prefill chunks | {name} ms | torch SDPA ms | SDPA / kernel |\n"
+          "|---|---|---|---|")
+    for case, chunks in cases.items():
+        ours, sdpa = time_case(impl, kernel, chunks, args.rounds, g, dtype)
+        print(f"| {case} | {ours:.2f} | {sdpa:.2f} | {sdpa / ours:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

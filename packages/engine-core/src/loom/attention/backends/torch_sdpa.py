@@ -45,14 +45,15 @@ the backend): 16 prompts of 128 tokens 0.43 vs 1.33 ms, 8 prompts of 36-510 1.29
 after 1,536 cached 2.0 vs 4.3, one of 4,096 18 vs 26, one of 8,192 73 vs 98, one of 12,288 203
 vs 220, one of 16,384 406 vs 385."""
 
-F32_PREFILL_MAX_CTX = 4096
+F32_PREFILL_MAX_CTX = 8192
 """Prefill chunks up to this context run through the fp32 kernel where it runs (AVX2 without
-AVX-512). Per layer of the default model, the kernel alone against the backend's forward on
-torch's flash kernel (2026-12-07, 2 cores of an AMD EPYC with AVX2): 16 prompts of 128 tokens
-2.85 vs 10.2 ms, 8 prompts of 36-510 5.3 vs 14.9, 512 after 1,536 cached 16.3 vs 22.3, one of
-2,048 36 vs 46, one of 4,096 146-147 vs 148-171; even past that (one of 8,192 581 vs 574, 2,048
-after 6,144 cached 257 vs 256). A row's whole context is one softmax pass, so past a few
-thousand tokens the flash kernel's blocking is the better shape."""
+AVX-512). Per layer of the default model, the backend's forward with the kernel against torch's
+flash kernel (``python bench/prefill_attention.py --dtype float32``, 2026-12-07, 2 cores of an
+AMD EPYC with AVX2): 16 prompts of 128 tokens 3.5 vs 9.4 ms, 8 prompts of 16-512 9.2 vs 20.0,
+one of 1,000 9.2 vs 13.1, 512 after 1,536 cached 16.9 vs 20.6, one of 4,096 145 vs 164, 2,048
+after 6,144 cached 250 vs 351, one of 8,192 564 vs 641. A row's whole context is one softmax
+pass, so its scores and the laid-out K/V grow with the context; the limit is the longest context
+measured, as for the AMX kernel."""
 
 
 @dataclass(slots=True)
