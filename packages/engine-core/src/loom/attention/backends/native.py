@@ -142,7 +142,7 @@ class PagedDecode:
         lib.paged_prefill_amx_ready.restype = ctypes.c_int
         self.amx_prefill = bool(lib.paged_prefill_amx_ready())
         """Whether ``prefill`` runs here: built for AMX (``paged_prefill_amx.c``) and the tiles granted;
-        cleared by the self-check (``_check_amx_prefill``) where it fails or disagrees with the decode kernel."""
+        cleared by the self-check (``_check_prefill``) where it fails or disagrees with the decode kernel."""
         self._prefill_f32 = lib.paged_prefill_f32
         self._prefill_f32.argtypes, self._prefill_f32.restype = _PREFILL_ARGTYPES, ctypes.c_int
         lib.paged_prefill_f32_ready.restype = ctypes.c_int

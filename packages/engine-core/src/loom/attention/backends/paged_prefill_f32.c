@@ -10,11 +10,12 @@
  * Hk, D) contiguous, tables (rows, ts); here D % 16 == 0.
  *
  * Work items are (chunk, KV head, a part of its query rows), shared among the threads by cost
- * (thread_share), cut as the AMX kernel cuts them. An item lays out the K/V of the keys its last
+ * (thread_share), cut by prefill_items as the AMX kernel's are. An item lays out the K/V of the keys its last
  * row sees once, for its rows and the g query heads of the KV head: K as panels of 16 keys
  * (D x 16, keys past the last zero), the second operand of S = Q . K^T; V as contiguous rows.
- * Then per query head and block of P32_MR consecutive rows (the tile of cpu_gemm.c: 6 rows x 16
- * columns in 12 accumulators, a K panel's row and a broadcast query element per step):
+ * Then per query head and block of P32_MR consecutive rows (the tile shape of cpu_gemm.c, written
+ * again here because that one lives in the other kernel library: 6 rows x 16 columns in 12
+ * accumulators, a K panel's row and a broadcast query element per step):
  *   - the rows' scores against every key panel the block's last row sees (causal: later panels
  *     are skipped, so a block computes at most 15 + 5 keys past a row's own position);
  *   - per row, the softmax's exponentials over its own positions (the decode kernel's
