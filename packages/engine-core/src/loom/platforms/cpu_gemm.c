@@ -16,8 +16,9 @@
  * last one; one to five streams decoding) get their own compiled tile, without the rows they lack.
  *
  * Measured on 2 cores of an AVX2 AMD EPYC (bench/avx2_linear.py, the default model's 120 layer
- * GEMMs, 2026-12-07): 165 GFLOP/s at 64 rows against oneDNN's 134, 180 at 512 against 161-164,
- * 177-183 at 1,024-2,048, as MKL's F.linear. Each output is the sum over k in order, in fp32 with
+ * GEMMs, 2026-12-07): 165 GFLOP/s at 64 rows against oneDNN's 134 (171 since each block asks
+ * for the next ahead, panel_unit), 180 at 512 against 161-164, 177-183 at 1,024-2,048, as MKL's
+ * F.linear. Each output is the sum over k in order, in fp32 with
  * fused multiply-adds, a block of 256 at a time: rounding differs from oneDNN's and MKL's order
  * as theirs differ from each other's. */
 
@@ -32,16 +33,19 @@ int panel_available(void) { return 1; }
 
 /* c rows (row stride ldc) of a ROWS x 16 tile = (or += when accumulate) x rows (stride xs) .
  * b block (kc x 16); bias added where not accumulating and given. ROWS is a constant at each
- * call (always inlined), so the loops over rows unroll and the unused accumulators vanish. */
+ * call (always inlined), so the loops over rows unroll and the unused accumulators vanish. First
+ * it asks for next_lines lines of 64 bytes from next into L2 (see panel_unit). */
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t xs, const float *b,
                                                               int64_t kc, float *c, int64_t ldc, const int rows,
-                                                              int accumulate, const float *bias) {
+                                                              int accumulate, const float *bias,
+                                                              const float *next, int64_t next_lines) {
     __m256 acc[PANEL_MR][2];
     const float *xr[PANEL_MR];
     for (int i = 0; i < rows; i++) {
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
         xr[i] = x + i * xs;
     }
+    for (int64_t l = 0; l < next_lines; l++) __builtin_prefetch(next + l * PANEL_NR, 0, 2);
     for (int64_t kk = 0; kk < kc; kk++) {
         const __m256 b0 = _mm256_load_ps(b + kk * PANEL_NR), b1 = _mm256_load_ps(b + kk * PANEL_NR + 8);
         for (int i = 0; i < rows; i++) {
@@ -66,14 +70,14 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
 }
 
 static void panel_sliver(const float *x, int64_t xs, const float *b, int64_t kc, float *c, int64_t ldc, int rows,
-                         int accumulate, const float *bias) {
+                         int accumulate, const float *bias, const float *next, int64_t next_lines) {
     switch (rows) {
-    case 6: panel_tile(x, xs, b, kc, c, ldc, 6, accumulate, bias); break;
-    case 5: panel_tile(x, xs, b, kc, c, ldc, 5, accumulate, bias); break;
-    case 4: panel_tile(x, xs, b, kc, c, ldc, 4, accumulate, bias); break;
-    case 3: panel_tile(x, xs, b, kc, c, ldc, 3, accumulate, bias); break;
-    case 2: panel_tile(x, xs, b, kc, c, ldc, 2, accumulate, bias); break;
-    default: panel_tile(x, xs, b, kc, c, ldc, 1, accumulate, bias); break;
+    case 6: panel_tile(x, xs, b, kc, c, ldc, 6, accumulate, bias, next, next_lines); break;
+    case 5: panel_tile(x, xs, b, kc, c, ldc, 5, accumulate, bias, next, next_lines); break;
+    case 4: panel_tile(x, xs, b, kc, c, ldc, 4, accumulate, bias, next, next_lines); break;
+    case 3: panel_tile(x, xs, b, kc, c, ldc, 3, accumulate, bias, next, next_lines); break;
+    case 2: panel_tile(x, xs, b, kc, c, ldc, 2, accumulate, bias, next, next_lines); break;
+    default: panel_tile(x, xs, b, kc, c, ldc, 1, accumulate, bias, next, next_lines); break;
     }
 }
 
@@ -83,10 +87,19 @@ static void panel_unit(const float *x, int64_t xs, const float *wp, const float 
     for (int64_t kb = 0; kb < k; kb += PANEL_KC) {
         const int64_t kc = k - kb < PANEL_KC ? k - kb : PANEL_KC;
         const float *b = wp + (p * k + kb) * PANEL_NR;
+        /* The block after this one (the panel's next K, else the next panel's first: they are
+         * contiguous) asked for into L2, each sliver a share of its lines before it starts: a
+         * step's weights come from memory, and the hardware prefetchers stop at every 4 KB page
+         * (bench/avx2_linear.py, 2026-12-07: 64 rows 155-162 -> 171 GFLOP/s, 256 rows 172-175 ->
+         * 180). Not for fewer than 8 slivers (under 43 rows), where it gained nothing and larger
+         * shares asked for at once cost up to 10% (24 rows). */
+        const int64_t slivers = (r1 - r0 + PANEL_MR - 1) / PANEL_MR;
+        const int64_t share = slivers >= 8 ? (PANEL_KC + slivers - 1) / slivers : 0;
         for (int64_t r = r0; r < r1; r += PANEL_MR) {
             const int rows = (int)(r1 - r < PANEL_MR ? r1 - r : PANEL_MR);
             panel_sliver(x + r * xs + kb, xs, b, kc, y + r * ys + p * PANEL_NR, ys, rows, kb > 0,
-                         bias ? bias + p * PANEL_NR : NULL);
+                         bias ? bias + p * PANEL_NR : NULL, b + (kc + (r - r0) / PANEL_MR * share) * PANEL_NR,
+                         share);
         }
     }
 }
