@@ -83,7 +83,7 @@ static void panel_sliver(const float *x, int64_t xs, const float *b, int64_t kc,
 
 /* One unit of work: rows [r0, r1) times panel p, all of K, into y (bias where given). */
 static void panel_unit(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t ys,
-                       int64_t r0, int64_t r1, int64_t p, int64_t k) {
+                       int64_t r0, int64_t r1, int64_t p, int64_t k, int64_t panels) {
     for (int64_t kb = 0; kb < k; kb += PANEL_KC) {
         const int64_t kc = k - kb < PANEL_KC ? k - kb : PANEL_KC;
         const float *b = wp + (p * k + kb) * PANEL_NR;
@@ -95,11 +95,13 @@ static void panel_unit(const float *x, int64_t xs, const float *wp, const float 
          * shares asked for at once cost up to 10% (24 rows). */
         const int64_t slivers = (r1 - r0 + PANEL_MR - 1) / PANEL_MR;
         const int64_t share = slivers >= 8 ? (PANEL_KC + slivers - 1) / slivers : 0;
+        const int64_t ahead = panels * k - (p * k + kb + kc); /* lines (steps of k) left in the weight */
         for (int64_t r = r0; r < r1; r += PANEL_MR) {
             const int rows = (int)(r1 - r < PANEL_MR ? r1 - r : PANEL_MR);
+            const int64_t from = (r - r0) / PANEL_MR * share;
+            const int64_t lines = from >= ahead ? 0 : ahead - from < share ? ahead - from : share;
             panel_sliver(x + r * xs + kb, xs, b, kc, y + r * ys + p * PANEL_NR, ys, rows, kb > 0,
-                         bias ? bias + p * PANEL_NR : NULL, b + (kc + (r - r0) / PANEL_MR * share) * PANEL_NR,
-                         share);
+                         bias ? bias + p * PANEL_NR : NULL, lines ? b + (kc + from) * PANEL_NR : b, lines);
         }
     }
 }
@@ -125,11 +127,11 @@ int panel_linear_f32(const float *x, int64_t xs, const float *wp, const float *b
         if (by_panels) {
             for (int64_t r0 = 0; r0 < m; r0 += mc)
                 for (int64_t p = lo; p < hi; p++)
-                    panel_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, p, k);
+                    panel_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, p, k, panels);
         } else {
             for (int64_t u = lo; u < hi; u++) {
                 const int64_t r0 = u / panels * mc;
-                panel_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, u % panels, k);
+                panel_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, u % panels, k, panels);
             }
         }
     }
