@@ -16,11 +16,11 @@
  * last one; one to five streams decoding) get their own compiled tile, without the rows they lack.
  *
  * Measured on 2 cores of an AVX2 AMD EPYC (bench/avx2_linear.py, the default model's 120 layer
- * GEMMs, 2026-12-07): 165 GFLOP/s at 64 rows against oneDNN's 134 (171 since each block asks
+ * GEMMs, 2026-12-07): 171 GFLOP/s at 64 rows against oneDNN's 134 (165 before each block asked
  * for the next ahead, panel_unit), 180 at 512 against 161-164, 177-183 at 1,024-2,048, as MKL's
- * F.linear. Each output is the sum over k in order, in fp32 with
- * fused multiply-adds, a block of 256 at a time: rounding differs from oneDNN's and MKL's order
- * as theirs differ from each other's. */
+ * F.linear. Each output is the sum over k in order, in fp32 with fused multiply-adds, a block of
+ * 256 at a time: rounding differs from oneDNN's and MKL's order as theirs differ from each
+ * other's. */
 
 #if defined(__AVX2__) && defined(__FMA__)
 

@@ -4,8 +4,9 @@ CPU kernels).
 On CPUs without native bf16 (``dtype auto`` = fp32) the layer GEMMs are most of a step. oneDNN's
 AVX2 kernels run a decode step's 64 rows at about 134 GFLOP/s on 2 cores of an AMD EPYC and
 lose a fifth of the second core where a layer's output is 576 columns wide; this one splits the
-columns evenly between the threads and runs them at 165, and many rows (prefill) at MKL's speed
-without the per-call dense copy that path needs (``bench/avx2_linear.py``).
+columns evenly between the threads and runs them at 171 (165 before each weight block asked for
+the next ahead), and many rows (prefill) at MKL's speed without the per-call dense copy that path
+needs (``bench/avx2_linear.py``).
 
 Its weight form is the panel tensor: a ``(n, k)`` weight, ``n`` a multiple of :data:`PANEL`, as
 ``(n / 16, k, 16)`` float32, contiguous (:func:`to_panels`; :func:`from_panels` gives the dense
