@@ -14,11 +14,19 @@ token than a batch of one length.
 
 Random K/V and queries (the time depends on the lengths, not the values). On a shared machine,
 compare figures from the same minutes.
+
+The last columns: the same K/V read alone, in the kernel's order, nothing computed
+(``bench/kv_stream.c``): the floor of the kernel's time for that access pattern on this
+machine, and the kernel's time as a multiple of it. The threads share the requests, so a single
+request is read by one thread (the kernel splits a long one between them): there the read is
+no floor.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import random
 import time
 
@@ -42,6 +50,28 @@ def batch(contexts: list[int], g: torch.Generator, dtype: torch.dtype) -> tuple:
     query = torch.randn(len(contexts), HEADS * HEAD_SIZE, generator=g).to(dtype)
     rows = torch.arange(len(contexts))
     return query, rows, caches, tables, torch.tensor(contexts)
+
+
+def kv_stream() -> ctypes._CFuncPtr:
+    """``kv_stream`` of ``bench/kv_stream.c``, built as loom builds its kernels."""
+    with open(os.path.join(os.path.dirname(__file__), "kv_stream.c"), "rb") as f:
+        fn = ctypes.CDLL(native._build(native._compiler(), f.read(), "kv_stream", "the K/V read benchmark")).kv_stream
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.restype = ctypes.c_int64
+    return fn
+
+
+def read_ms(stream: ctypes._CFuncPtr, data: tuple, rounds: int, threads: int) -> float:
+    """The best of ``rounds`` reads of the 30 layers' K/V of the batch, nothing computed."""
+    _, _, caches, tables, ctx = data
+    best = float("inf")
+    for _ in range(rounds + 1):  # the first: a warm-up
+        start = time.perf_counter()
+        for k_cache, v_cache in caches:
+            stream(k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), ctx.data_ptr(),
+                   ctx.numel(), k_cache[0].numel() * k_cache.element_size(), BLOCK, threads)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def best_ms(kernel: native.PagedDecode, data: tuple, rounds: int) -> float:
@@ -72,6 +102,7 @@ def main() -> None:
     kernel = native.paged_decode()
     if kernel is None:
         raise SystemExit("the CPU paged-decode kernel did not build here (see the warning above)")
+    stream = kv_stream()
     rng, g = random.Random(0), torch.Generator().manual_seed(0)
     batches = [
         ("64 rows of 160", [160] * 64),
@@ -85,10 +116,14 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     print(f"decode attention, {HEADS}/{KV_HEADS} heads of {HEAD_SIZE}, {args.dtype}, {LAYERS} layers, "
           f"{args.threads} threads, best of {args.rounds}")
+    print(f"  {'batch':36s} {'kernel':>10s}  {'a token a layer':>15s}  {'K/V read alone':>23s}  kernel / read")
     for name, contexts in batches:
-        ms = best_ms(kernel, batch(contexts, g, dtype), args.rounds)
+        data = batch(contexts, g, dtype)
+        ms = best_ms(kernel, data, args.rounds)
+        floor = read_ms(stream, data, args.rounds, args.threads)
         per_token = ms * 1e6 / (sum(contexts) * LAYERS)
-        print(f"  {name:36s} {ms:7.2f} ms  {per_token:5.1f} ns a token a layer")
+        gbs = sum(contexts) * LAYERS * 2 * KV_HEADS * HEAD_SIZE * data[2][0][0].element_size() / floor / 1e6
+        print(f"  {name:36s} {ms:7.2f} ms  {per_token:12.1f} ns  {floor:7.2f} ms ({gbs:5.1f} GB/s)  {ms / floor:9.2f}x")
 
 
 if __name__ == "__main__":
