@@ -12,11 +12,11 @@ import os
 
 import pytest
 
-CAPABILITIES = ("GPU", "AVX512-VNNI", "AMX-BF16")
+CAPABILITIES = ("GPU", "AVX512-VNNI", "AMX-BF16", "AVX512-BF16")
 """Words a skip reason must contain to stand in a strict run: what the matrix's machine may lack
 and no install step can provide (a GPU; AVX512-VNNI, which the int8 KV-cache kernels need;
-AMX-BF16 tiles, which the bf16 prefill-attention kernel needs: CI has run on Xeons with them and
-on AVX2-only EPYCs without). Every other dependency is installed by the session."""
+AMX-BF16 tiles, which the bf16 prefill-attention kernel needs; AVX512-BF16, which loom's bf16
+GEMM needs: CI has run on Xeons with AMX, on EPYCs with AVX512-BF16 and on AVX2-only EPYCs). Every other dependency is installed by the session."""
 
 
 def _strict() -> bool:

@@ -1,4 +1,5 @@
-"""A step's fp32 linear layers through loom's own GEMM for AVX2 CPUs, against oneDNN and MKL.
+"""A step's linear layers through loom's own GEMM, against oneDNN and MKL: fp32 (AVX2 CPUs) or,
+with ``--dtype bfloat16``, bf16 (CPUs with AVX512-BF16).
 
 On CPUs without native bf16 (``dtype auto`` = fp32) a batched decode step spends about 60% of
 its time in the 120 layer GEMMs. oneDNN, on its prepacked weight, runs them at about 70
@@ -15,18 +16,27 @@ weights, so they come from memory as in a step) and M rows of activations, three
   192 that stay in L2, each panel walked in blocks of 256 of K that stay in L1 while 6 x 16
   tiles of twelve FMA accumulators sweep the rows.
 
+With ``--dtype bfloat16`` the weights are bf16 and ``panels`` is the bf16 kernel of the same
+file (``vdpbf16ps``: 8 x 32 tiles over the whole of K, pairs of k side by side in the panel);
+``F.linear`` is then oneDNN too, on the plain weight.
+
 Each row of the table: ms for the 120 calls (median of rounds, the three alternated in each
-round) and GFLOP/s. Needs an x86 CPU with AVX2 and FMA and a C compiler (loom's CPU kernels).
+round), GFLOP/s, and for ``panels`` its speed over oneDNN's, the median of the rounds' ratios (a
+figure the machine's drift between rounds moves less). Needs an x86 CPU with AVX2 and FMA (fp32)
+or AVX512-BF16 (bf16) and a C compiler (loom's CPU kernels).
 
     python bench/avx2_linear.py
     python bench/avx2_linear.py --rows 1 16 64 128 --rounds 9
+    python bench/avx2_linear.py --dtype bfloat16 --rows 8 64 256 2048
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -35,37 +45,56 @@ from loom.platforms import cpu_gemm
 from loom.platforms.cpu_kernels import kernels
 
 sys.path.insert(0, os.path.dirname(__file__))
-from amx_linear import LAYERS, SHAPES, median_ms  # noqa: E402  (the bf16 AMX prototype's harness)
+from amx_linear import LAYERS, SHAPES  # noqa: E402  (the bf16 AMX prototype's harness)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     k = kernels()
     gemm = None if k is None else k.panel_linear
-    if gemm is None:
-        sys.exit("loom's panel GEMM is not compiled here (it needs AVX2, FMA and a C compiler): nothing to measure")
+    if gemm is None or dtype not in gemm.dtypes:
+        sys.exit(f"loom's {args.dtype} panel GEMM is not compiled here (it needs AVX2 and FMA for float32, "
+                 "AVX512-BF16 for bfloat16, and a C compiler): nothing to measure")
     if any(m < 1 for m in args.rows):
         sys.exit("--rows: at least 1")
     g = torch.Generator().manual_seed(1)
-    weights = [torch.randn(n, kk, generator=g) * 0.02 for _ in range(LAYERS) for n, kk in SHAPES]
+    weights = [(torch.randn(n, kk, generator=g) * 0.02).to(dtype) for _ in range(LAYERS) for n, kk in SHAPES]
     packed = [onednn.pack_weight(w) for w in weights]
     panels = [cpu_gemm.to_panels(w) for w in weights]
     flops_per_row = sum(2 * w.shape[0] * w.shape[1] for w in weights)
-    print(f"{len(weights)} linears, {sum(w.numel() * 4 for w in weights) / 1e6:.0f} MB of fp32 weights; "
-          f"{torch.get_num_threads()} threads\n")
-    print("| rows | path | ms, 120 calls | GFLOP/s |\n|---|---|---|---|")
+    print(f"{len(weights)} linears, {sum(w.numel() * w.element_size() for w in weights) / 1e6:.0f} MB of {args.dtype} "
+          f"weights; {torch.get_num_threads()} threads\n")
+    print("| rows | path | ms, 120 calls | GFLOP/s | speed over oneDNN |\n|---|---|---|---|---|")
     with torch.inference_mode():
         for m in args.rows:
-            xs = {kk: torch.randn(m, kk, generator=g) for kk in {kk for _, kk in SHAPES}}
+            xs = {kk: torch.randn(m, kk, generator=g).to(dtype) for kk in {kk for _, kk in SHAPES}}
             paths = {"onednn": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                                               for w, p in zip(weights, packed)],
                      "F.linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights],
-                     "panels": lambda xs=xs: [gemm(xs[p.shape[1]], p) for p in panels]}
-            for name, ms in median_ms(paths, args.rounds).items():
-                print(f"| {m} | {name} | {ms:.2f} | {flops_per_row * m / ms / 1e6:.0f} |", flush=True)
+                     "panels": lambda xs=xs: [gemm(xs[w.shape[1]], p) for w, p in zip(weights, panels)]}
+            times = rounds(paths, args.rounds)
+            for name, t in times.items():
+                ms = statistics.median(t) * 1e3
+                ratio = statistics.median(a / b for a, b in zip(times["onednn"], t))
+                print(f"| {m} | {name} | {ms:.2f} | {flops_per_row * m / ms / 1e6:.0f} | "
+                      f"{f'{ratio:.3f}x' if name == 'panels' else ''} |", flush=True)
+
+
+def rounds(paths: dict, count: int) -> dict[str, list[float]]:
+    """Seconds of each path in each of ``count`` rounds, the paths alternated within a round (after
+    one round that warms up)."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(count + 1):
+        for name, run in paths.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: t[1:] for name, t in times.items()}
 
 
 if __name__ == "__main__":

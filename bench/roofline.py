@@ -4,7 +4,7 @@ For each model: the FLOPs of every linear layer of the workload (from the model'
 per token through the layers; the LM head only where loom samples: the last prompt token
 and each decode step), each of those shapes timed on this machine at the batch sizes the
 scheduler runs (the prefill token budget, the decode batch) with ``F.linear``, with the
-oneDNN-prepacked weight and, in fp32 on AVX2 CPUs, with loom's own GEMM on the weight's panels
+oneDNN-prepacked weight and, in fp32 on AVX2 CPUs and bf16 on AVX512-BF16 ones, with loom's own GEMM on the weight's panels
 (``platforms/cpu_gemm.c``), each cycling through copies of its weight that add up to all the
 weights of a step (so each comes from where a step's weights live: cache for a tiny model,
 memory for a real one), and the bound = those FLOPs at the fastest of those speeds. Then
@@ -79,7 +79,7 @@ SPLIT = {("sampling", "GEMMs"): "embedding & LM head"}
 # Ops outside any module scope (and their children), by name.
 OPS = [
     (re.compile(r"addmm|::mm$|::bmm$|::linear$|::matmul$|mkldnn|onednn"), "GEMMs"),
-    (re.compile(r"q4_linear|q8_linear|qa_linear|panel_linear"), "GEMMs"),  # the CPU kernels of quantized weights, and the fp32 panel GEMM
+    (re.compile(r"q4_linear|q8_linear|qa_linear|panel_linear"), "GEMMs"),  # the CPU kernels of quantized weights, and loom's panel GEMM
     (re.compile(r"scaled_dot_product|flash_attention|index_copy|paged_decode|paged_prefill|kv_write"), "attention"),
     (re.compile(r"rotary"), "rotary embedding"),
     (re.compile(r"layer_norm|rms_norm|gelu|silu|relu"), "norms & activations"),
@@ -114,8 +114,8 @@ def kv_bytes_per_token(model_config: Any, dtype: torch.dtype, kv_cache_dtype: st
 def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: int = 1) -> dict[str, float]:
     """Median seconds of (m, k) x (n, k) by each GEMM this machine has for it: ``F.linear``; the
     weight prepacked for oneDNN (oneDNN's own call, also where ``onednn.linear`` hands many fp32
-    rows to BLAS; inf where this torch cannot); and loom's own fp32 GEMM on the weight's panels
-    (``platforms/cpu_gemm.c``, on AVX2 CPUs; inf elsewhere), after warm-up. The weight cycles
+    rows to BLAS; inf where this torch cannot); and loom's own GEMM on the weight's panels
+    (``platforms/cpu_gemm.c``: fp32 on AVX2 CPUs, bf16 on AVX512-BF16 ones; inf elsewhere), after warm-up. The weight cycles
     through ``copies`` tensors (``step_copies``), so it comes from where the weights of a whole
     step live. The bound takes the fastest."""
     x, ws = torch.randn(m, k, dtype=dtype), [torch.randn(n, k, dtype=dtype) for _ in range(copies)]
@@ -123,7 +123,8 @@ def time_linear(m: int, k: int, n: int, bias: bool, dtype: torch.dtype, copies: 
     forms: dict[str, list[torch.Tensor] | None] = {"F.linear": ws, "oneDNN": None, "panels": None}
     if onednn.available() and dtype in onednn.DTYPES:
         forms["oneDNN"] = [onednn.pack_weight(w) for w in ws]
-    if dtype == torch.float32 and n % cpu_gemm.PANEL == 0 and onednn._panel_gemm() is not None:
+    gemm = onednn._panel_gemm()
+    if gemm is not None and dtype in gemm.dtypes and cpu_gemm.fits(ws[0]):
         forms["panels"] = [cpu_gemm.to_panels(w) for w in ws]
 
     def run(w: torch.Tensor) -> None:  # oneDNN itself for a packed weight (onednn.linear may not call it)
@@ -246,10 +247,10 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         with record_function(f"loom::{name}"):
             return prefill_call(self, query, *a, **kw)
 
-    gemm_call = cpu_gemm.PanelGemm.__call__  # and loom's fp32 GEMM (eager steps: prefill, the LM head)
+    gemm_call = cpu_gemm.PanelGemm.__call__  # and loom's own GEMM (eager steps: prefill, the LM head)
 
     def named_gemm(*a: Any, **kw: Any) -> Any:
-        with record_function("loom::panel_linear_f32"):
+        with record_function("loom::panel_linear"):
             return gemm_call(*a, **kw)
 
     # Likewise the CPU platform's fused kernels behind the ops' forward_cpu (looked up per call).

@@ -1,4 +1,5 @@
-"""loom's fp32 GEMM for AVX2 CPUs (``platforms/cpu_gemm.c``) and where ``layers/onednn.py`` uses it."""
+"""loom's own GEMM (``platforms/cpu_gemm.c``: fp32 for AVX2 CPUs, bf16 for AVX512-BF16 ones) and where
+``layers/onednn.py`` uses it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from loom.platforms import cpu_features, cpu_gemm
 from loom.platforms.cpu_kernels import kernels
 
 AVX2 = {"avx2", "fma"} <= cpu_features.cpu_flags()
+BF16 = {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_features.cpu_flags()
 
 
 @pytest.fixture(autouse=True)
@@ -29,10 +31,22 @@ def gemm() -> cpu_gemm.PanelGemm:
     return k.panel_linear
 
 
+@pytest.fixture
+def gemm_bf16() -> cpu_gemm.PanelGemm:
+    """The compiled kernel with its bf16 half: on an AVX512-BF16 CPU it must be there (fails, never skips)."""
+    if not BF16:
+        pytest.skip("this CPU has no AVX512-BF16: the bf16 kernel is compiled out")
+    k = kernels()
+    assert k is not None and k.panel_linear is not None and torch.bfloat16 in k.panel_linear.dtypes
+    return k.panel_linear
+
+
 def test_compiled_where_the_cpu_has_avx2_and_fma():
     k = kernels()
     assert k is not None
-    assert (k.panel_linear is not None) == AVX2
+    assert (k.panel_linear is not None) == (AVX2 or BF16)
+    dtypes = set() if k.panel_linear is None else k.panel_linear.dtypes
+    assert (torch.float32 in dtypes) == AVX2 and (torch.bfloat16 in dtypes) == BF16
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 64, 191, 192, 193, 400])
@@ -155,19 +169,24 @@ def test_a_misaligned_weight_is_refused_not_read(gemm):
         gemm(torch.randn(2, 8), w.view(1, 8, 16))
 
 
-def test_panels_for_fp32_only_on_avx2_without_avx512():
+def test_panels_for_fp32_only_on_avx2_without_avx512_and_bf16_only_on_avx512_bf16_without_amx():
     avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
-    assert onednn.panels_for_fp32(avx2)
-    assert not onednn.panels_for_fp32(avx2 | {"avx512f"})
-    assert not onednn.panels_for_fp32(frozenset({"avx", "avx2"}))  # no FMA
-    assert not onednn.panels_for_fp32(frozenset())  # not x86
+    bf16 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    f32, b16 = torch.float32, torch.bfloat16
+    assert onednn.panels_for(f32, avx2) and not onednn.panels_for(b16, avx2)
+    assert not onednn.panels_for(f32, avx2 | {"avx512f"})
+    assert not onednn.panels_for(f32, frozenset({"avx", "avx2"}))  # no FMA
+    assert not onednn.panels_for(f32, frozenset()) and not onednn.panels_for(b16, frozenset())  # not x86
+    assert onednn.panels_for(b16, bf16) and not onednn.panels_for(f32, bf16)
+    assert not onednn.panels_for(b16, bf16 | {"amx_bf16", "amx_tile"})  # oneDNN's AMX GEMMs, several times faster
+    assert not onednn.panels_for(b16, bf16 - {"avx512_bf16"}) and not onednn.panels_for(torch.float16, bf16)
 
 
 def test_pack_chooses_panels_for_fp32_multiples_of_16(monkeypatch):
     """Where the panel GEMM runs here (the CPU platform, an AVX2 CPU): fp32 weights of a multiple of 16 rows become panels and
     ``linear`` multiplies by them; other row counts, bf16, or ``LOOM_CPU_PANEL_GEMM=0`` keep
     oneDNN's layout. Every form gives F.linear's result, and ``dense`` the exact weight."""
-    here = onednn.panels_for_fp32(cpu_features.cpu_flags()) and platforms.current_platform.is_cpu()
+    here = onednn.panels_for(torch.float32, cpu_features.cpu_flags()) and platforms.current_platform.is_cpu()
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 24, generator=g)
     for rows, env, want in [(32, "1", "panels" if here else "onednn"), (20, "1", "onednn"), (32, "0", "onednn")]:
@@ -185,5 +204,90 @@ def test_the_self_check_finds_a_wrong_kernel(gemm):
         def __call__(self, x, panels, bias=None):
             return gemm(x, panels, bias) + 1
 
-    with pytest.raises(native.NativeKernelError, match="panel_linear_f32 disagrees"):
+    Wrong.dtypes = gemm.dtypes  # type: ignore[attr-defined]
+    with pytest.raises(native.NativeKernelError, match="panel GEMM disagrees"):
         cpu_gemm.self_check(Wrong())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 17, 64, 191, 192, 193, 400])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bf16_matches_a_float64_reference(gemm_bf16, rows, with_bias):
+    """The bf16 kernel: every sliver size (1-8 rows and their tails), row blocks of 192 whole and in
+    part, K of 8 to 576 pairs, an odd number of panels (80: the last pair a single panel), rows
+    with a stride wider than K; within fp32 sums' worst case plus the output's bf16 rounding, and
+    never more than one bf16 unit from F.linear's bf16 result on the same bf16 inputs."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(16, 8), (48, 300), (80, 40), (96, 576), (512, 40)]:
+        x = torch.randn(rows, k + 6, generator=g).bfloat16()[:, 2:k + 2]
+        w = torch.randn(n, k, generator=g).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16() if with_bias else None
+        got = gemm_bf16(x, cpu_gemm.to_panels(w), b)
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert cpu_gemm.within_rounding(got, x, w, b), (n, k)
+        want = F.linear(x, w, b).double()
+        assert ((got.double() - want).abs() <= 2.0 ** -7 * want.abs() + 1e-6).all(), (n, k)
+
+
+def test_bf16_rows_threads_and_special_values(gemm_bf16):
+    """A row's bits do not depend on what shares its call or on the thread count; (batch, seq, K)
+    comes back in that shape; an infinity or NaN in x reaches exactly the outputs of its row;
+    what the kernel cannot take (fp32 x on bf16 panels) goes through F.linear, which says why."""
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 300, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    panels = cpu_gemm.to_panels(w)
+    x = torch.randn(400, 300, generator=g).bfloat16()
+    whole = gemm_bf16(x, panels, b)
+    for i in (0, 7, 8, 191, 192, 399):
+        assert torch.equal(gemm_bf16(x[i:i + 1], panels, b)[0], whole[i]), i
+        assert torch.equal(gemm_bf16(x[max(i - 3, 0):i + 6], panels, b)[min(i, 3)], whole[i]), i
+    threads = torch.get_num_threads()
+    wide = cpu_gemm.to_panels(torch.randn(528, 300, generator=g).bfloat16())  # 33 panels: 17 units, by pair
+    want = gemm_bf16(x, wide)
+    try:
+        for t in (1, 3, 16):
+            torch.set_num_threads(t)
+            assert torch.equal(gemm_bf16(x, panels, b), whole) and torch.equal(gemm_bf16(x, wide), want), t
+    finally:
+        torch.set_num_threads(threads)
+    got = gemm_bf16(x[:18].view(2, 9, 300), panels, b)
+    assert got.shape == (2, 9, 96) and torch.equal(got.view(18, 96), whole[:18])
+    y = x[:8].clone()
+    y[3, 7], y[5, 0] = float("inf"), float("nan")
+    out = gemm_bf16(y, panels, None)
+    assert out[5].isnan().all() and not out[[0, 1, 2, 4, 6, 7]].isnan().any() and not out[3].isfinite().any()
+    with pytest.raises(RuntimeError):  # F.linear's own dtype error
+        gemm_bf16(x.float(), panels)
+
+
+def test_bf16_panels_round_trip_and_lay_out_pairs_of_k():
+    w = torch.randn(48, 10).bfloat16()
+    panels = cpu_gemm.to_panels(w)
+    assert panels.shape == (3, 5, 32) and panels.is_contiguous()
+    assert torch.equal(panels[1, 2].view(16, 2), w[16:32, 4:6])  # panel 1, pair 2: rows 16-31, k 4 and 5
+    assert torch.equal(cpu_gemm.from_panels(panels), w)
+    offset, stride, group = cpu_gemm.row_layout(48, 10, torch.bfloat16)
+    flat = panels.reshape(-1)
+    for r in range(48):
+        for i in range(10):
+            assert flat[offset[r] + i // group * stride + i % group] == w[r, i]
+    with pytest.raises(ValueError, match="k even"):
+        cpu_gemm.to_panels(torch.randn(48, 7).bfloat16())
+
+
+def test_pack_chooses_bf16_panels_where_the_cpu_has_avx512_bf16(monkeypatch):
+    """bf16 weights of a multiple of 16 rows and even K become panels where the kernel runs (the CPU
+    platform, AVX512-BF16 without AMX); odd K or ``LOOM_CPU_PANEL_GEMM=0`` keep oneDNN's layout.
+    Every form gives F.linear's result within a bf16 unit, and ``dense`` the exact weight."""
+    here = onednn.panels_for(torch.bfloat16, cpu_features.cpu_flags()) and platforms.current_platform.is_cpu()
+    if not onednn.packs(torch.bfloat16) and not here:
+        pytest.skip("this CPU has no AVX512-BF16: neither oneDNN nor loom pack bf16 weights")
+    g = torch.Generator().manual_seed(6)
+    for rows, k, env, want in [(32, 24, "1", "panels" if here else "onednn"), (32, 23, "1", "onednn"),
+                               (32, 24, "0", "onednn")]:
+        monkeypatch.setenv("LOOM_CPU_PANEL_GEMM", env)
+        w, b = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(rows, generator=g).bfloat16()
+        x = torch.randn(5, k, generator=g).bfloat16()
+        packed = onednn.pack(w)
+        assert ("panels" if packed.dim() == 3 else "onednn" if packed.is_mkldnn else "dense") == want, (rows, k, env)
+        torch.testing.assert_close(onednn.linear(x, packed, b), F.linear(x, w, b), atol=2e-2, rtol=2 ** -7)
+        assert torch.equal(onednn.dense(packed), w)

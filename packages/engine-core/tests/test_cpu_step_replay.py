@@ -23,7 +23,7 @@ CPU = platforms.current_platform.is_cpu()
 """Under another platform (the dummy session) the model runs that platform's ops and attention,
 none of them a compiled kernel: capture is refused, which the model tests check instead."""
 
-PANELS = CPU and onednn.panels_for_fp32(cpu_features.cpu_flags())
+PANELS = CPU and onednn.panels_for(torch.float32, cpu_features.cpu_flags())
 """Where the fp32 linears run in loom's own GEMM (``platforms/cpu_gemm.c``) unless told not to."""
 MAX_BLOCKS = 12
 BLOCK = 4  # small blocks: the decode steps below cross several block boundaries

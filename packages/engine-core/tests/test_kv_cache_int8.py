@@ -40,10 +40,12 @@ def test_a_step_over_the_int8_cache_tracks_the_dense_cache(monkeypatch, dtype):
     to its own unrounded K/V: there the two agree to the dense backend's own precision); the
     step's K/V land in the cache as ``quantize_rows`` makes them. The dense backend's prefills
     take torch's SDPA here, as the int8 backend's do (not the chunk prefill kernels, which read a
-    cache in the model's dtype: tests of their own in test_cpu_prefill_amx.py and _f32.py)."""
+    cache in the model's dtype: tests of their own in test_cpu_prefill_amx.py and _f32.py; nor the
+    AVX512-BF16 decode kernel's prefill rows, test_cpu_paged_decode.py's)."""
     if native.paged_decode() is not None:
         monkeypatch.setattr(native.paged_decode(), "amx_prefill", False)
         monkeypatch.setattr(native.paged_decode(), "f32_prefill", False)
+        monkeypatch.setattr(native.paged_decode(), "takes_prefill", lambda *shape: False)
     g = torch.Generator().manual_seed(11)
     md, num_blocks = _mixed_step(g)
     dense, int8 = _caches(g, num_blocks, md.block_size, dtype)

@@ -33,9 +33,12 @@ def _cpu_flags() -> set[str]:
 
 # oneDNN's bf16 reorder needs AVX512 (bw, vl, dq) or AVX-NE-CONVERT; an AVX2-only CPU has neither
 BF16_PACKS = {"avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags() or "avx_ne_convert" in _cpu_flags()
-# fp32 layers hold panels for loom's own GEMM on AVX2 + FMA without AVX-512 (test_cpu_gemm.py
-# checks that the kernel compiles there), under the CPU platform; oneDNN's layout elsewhere
+# fp32 layers hold panels for loom's own GEMM on AVX2 + FMA without AVX-512, bf16 ones on AVX512-BF16
+# without AMX (test_cpu_gemm.py checks that the kernels compile there), under the CPU platform;
+# oneDNN's layout elsewhere
 PANELS = platforms.current_platform.is_cpu() and {"avx2", "fma"} <= _cpu_flags() and "avx512f" not in _cpu_flags()
+PANELS_BF16 = (platforms.current_platform.is_cpu() and {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags()
+               and "amx_bf16" not in _cpu_flags())
 
 
 def _form(weight: torch.Tensor) -> str:
@@ -85,7 +88,7 @@ def test_prepacked_model_equals_f_linear(name, dtype, model_dirs, monkeypatch):
     packed = _load(model_dirs[name], dtype, True, monkeypatch)
     linears = [m for m in packed.modules() if isinstance(m, LinearBase)]
     packs = dtype == "float32" or BF16_PACKS  # elsewhere the bf16 weights stay dense (F.linear)
-    form = "panels" if dtype == "float32" and PANELS else "onednn" if packs else "dense"
+    form = "panels" if (PANELS if dtype == "float32" else PANELS_BF16) else "onednn" if packs else "dense"
     assert linears and all(_form(m.weight) == form for m in linears)
     assert all(_form(m.weight) == "dense" for m in dense.modules() if isinstance(m, LinearBase))
     assert (packed.logits_processor.packed_head is not None) == packs and dense.logits_processor.packed_head is None
@@ -150,13 +153,13 @@ def test_packed_lm_head_skips_padding_rows(bias):
 def test_packed_head_looks_rows_up(dtype, panel_gemm, monkeypatch):
     """1000 rows (padded to 1024) in chunks of 96: lookups across chunks, of the last short chunk
     and of padding give the dense rows bit for bit, in the ids' shape; an id past the table raises.
-    In loom's panels (fp32 on AVX2 CPUs) and in oneDNN's layout."""
+    In loom's panels (fp32 on AVX2 CPUs, bf16 on AVX512-BF16 ones) and in oneDNN's layout."""
     monkeypatch.setenv("LOOM_CPU_PANEL_GEMM", panel_gemm)
     torch.manual_seed(0)
     weight = torch.randn(1024, 40).to(dtype)
     weight[1000:] = 0
     head = onednn.PackedHead(weight, 96)
-    assert head.panels == (dtype == torch.float32 and PANELS and panel_gemm == "1")
+    assert head.panels == ((PANELS if dtype == torch.float32 else PANELS_BF16) and panel_gemm == "1")
     assert all((w.dim() == 3) == head.panels and w.is_mkldnn != head.panels for _, _, w in head.chunks)
     assert head.enable_lookup()
     ids = torch.tensor([[0, 95, 96, 1023], [999, 1000, 5, 960]])

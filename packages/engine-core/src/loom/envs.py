@@ -41,8 +41,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "LOOM_CPU_INT8_ACTIVATIONS": lambda: os.environ.get("LOOM_CPU_INT8_ACTIVATIONS", "1") != "0",
     # "0" keeps CPU linear layers on F.linear instead of weights prepacked for oneDNN.
     "LOOM_CPU_PREPACK": lambda: os.environ.get("LOOM_CPU_PREPACK", "1") != "0",
-    # "0" keeps fp32 CPU linear layers on oneDNN where loom's own AVX2 GEMM would run them
-    # (layers/onednn.py, platforms/cpu_gemm.c).
+    # "0" keeps CPU linear layers on oneDNN where loom's own GEMM would run them (fp32 on AVX2
+    # CPUs without AVX-512, bf16 on AVX512-BF16 ones without AMX: layers/onednn.py, platforms/cpu_gemm.c).
     "LOOM_CPU_PANEL_GEMM": lambda: os.environ.get("LOOM_CPU_PANEL_GEMM", "1") != "0",
     # Where converted weights (GGUF -> safetensors) and compiled CPU kernels are cached.
     "LOOM_CACHE_DIR": lambda: os.environ.get(

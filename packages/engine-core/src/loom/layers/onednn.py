@@ -24,14 +24,16 @@ those GEMMs 5-10% faster than oneDNN's AVX2 kernels on the packed weight; the co
 of the GEMM and lives only for the call. Decode steps' few rows stay on the packed weight,
 where oneDNN is the faster of the two by a fifth or more.
 
-Where loom's own fp32 GEMM runs (the CPU platform, :func:`panels_for_fp32`: x86 with AVX2 and
-FMA but no AVX-512, and the CPU kernels compiled), fp32 layers hold their weight as its panel tensor instead
-(``platforms/cpu_gemm.py``: ``(out / 16, in, 16)``, out a multiple of 16) and multiply through
-that kernel at every row count: on 2 cores of an AVX2 AMD EPYC it runs a decode step's 64 rows a
-fifth faster than oneDNN, and a prefill step's at MKL's speed without the dense copy. The LM
-head's chunks are panels too, where they are whole panels; a tied embedding then looks its rows
-up in them at offsets known without a probe (``cpu_gemm.row_layout``). ``LOOM_CPU_PANEL_GEMM=0``
-keeps oneDNN for all of them.
+Where loom's own GEMM runs (the CPU platform, :func:`panels_for`: fp32 on x86 with AVX2 and FMA
+but no AVX-512, bf16 on x86 with AVX512-BF16, and the CPU kernels compiled), those layers hold
+their weight as its panel tensor instead (``platforms/cpu_gemm.py``: ``(out / 16, in, 16)``
+fp32, ``(out / 16, in / 2, 32)`` bf16, out a multiple of 16) and multiply through that kernel at
+every row count. On 2 cores of an AVX2 AMD EPYC the fp32 one runs a decode step's 64 rows a fifth
+faster than oneDNN, and a prefill step's at MKL's speed without the dense copy; on an AMD EPYC
+with AVX512-BF16 the bf16 one runs 64 rows 1.16x as fast as oneDNN, 256 to 2,048 as fast.
+The LM head's chunks are panels too, where they are whole panels; a tied embedding then looks
+its rows up in them at offsets known without a probe (``cpu_gemm.row_layout``).
+``LOOM_CPU_PANEL_GEMM=0`` keeps oneDNN for all of them.
 
 Only on the CPU, for float32 and bfloat16 (bf16 where oneDNN packs it on this CPU: ``packs``),
 where torch was built with oneDNN;
@@ -55,7 +57,7 @@ from ..platforms import cpu_features, cpu_gemm
 
 logger = init_logger("loom.layers.onednn")
 
-__all__ = ["PackedHead", "available", "blas_for_many_rows", "dense", "linear", "pack", "pack_weight", "panels_for_fp32",
+__all__ = ["PackedHead", "available", "blas_for_many_rows", "dense", "linear", "pack", "pack_weight", "panels_for",
            "prepack_model", "row_layout"]
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -102,19 +104,26 @@ def _blas_here() -> bool:
     return blas_for_many_rows(cpu_features.cpu_flags(), torch.backends.mkl.is_available())
 
 
-def panels_for_fp32(flags: frozenset[str]) -> bool:
-    """Whether fp32 layers run loom's panel GEMM (``platforms/cpu_gemm.c``) on a CPU with these
-    flags: x86 with AVX2 and FMA, no AVX-512 (where oneDNN has kernels twice as wide; not
-    measured against them)."""
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+def panels_for(dtype: torch.dtype, flags: frozenset[str]) -> bool:
+    """Whether ``dtype`` layers run loom's panel GEMM (``platforms/cpu_gemm.c``) on a CPU with these
+    flags: fp32 on x86 with AVX2 and FMA but no AVX-512 (where oneDNN has kernels twice as wide;
+    not measured against them), bf16 on x86 with AVX512-BF16 (measured against oneDNN's
+    ``vdpbf16ps`` kernels on an AMD EPYC; not against AMX, which CPUs with AMX-BF16 run oneDNN's
+    bf16 GEMMs on, several times faster)."""
+    if dtype == torch.float32:
+        return {"avx2", "fma"} <= flags and "avx512f" not in flags
+    if dtype == torch.bfloat16:
+        return {"avx512f", "avx512bw", "avx512_bf16"} <= flags and "amx_bf16" not in flags
+    return False
 
 
 @functools.cache
 def _panel_gemm() -> cpu_gemm.PanelGemm | None:
-    """The compiled panel GEMM where this CPU's fp32 layers may take it, else None: only under
-    loom's CPU platform, whose kernels it is (another platform on CPU tensors, as the dummy
+    """The compiled panel GEMM where this CPU's layers of some dtype may take it, else None: only
+    under loom's CPU platform, whose kernels it is (another platform on CPU tensors, as the dummy
     one, keeps oneDNN and runs no kernel of loom's CPU platform)."""
-    if not panels_for_fp32(cpu_features.cpu_flags()) or not platforms.current_platform.is_cpu():
+    flags = cpu_features.cpu_flags()
+    if not any(panels_for(dtype, flags) for dtype in cpu_gemm.GROUP) or not platforms.current_platform.is_cpu():
         return None
     from ..platforms.cpu_kernels import kernels  # here: the platforms import the layers
 
@@ -123,8 +132,11 @@ def _panel_gemm() -> cpu_gemm.PanelGemm | None:
 
 
 def _takes_panels(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[0] % cpu_gemm.PANEL == 0
-            and weight.shape[0] > 0 and envs.LOOM_CPU_PANEL_GEMM and _panel_gemm() is not None)
+    if not (envs.LOOM_CPU_PANEL_GEMM and cpu_gemm.fits(weight)
+            and panels_for(weight.dtype, cpu_features.cpu_flags())):
+        return False
+    gemm = _panel_gemm()
+    return gemm is not None and weight.dtype in gemm.dtypes
 
 
 def enabled_for(weight: torch.Tensor) -> bool:
@@ -176,7 +188,7 @@ class PackedHead:
         self.dtype, self.cols = weight.dtype, weight.shape[1]
         rows = weight.shape[0]
         # loom's panels where the panel GEMM runs and every chunk is whole panels, else oneDNN's layout
-        self.panels = chunk % cpu_gemm.PANEL == 0 and _takes_panels(weight)  # (which checks the rows)
+        self.panels = chunk % cpu_gemm.PANEL == 0 and _takes_panels(weight)  # (which checks the shape)
         pack_chunk = cpu_gemm.to_panels if self.panels else pack_weight
         self.chunks = [(lo, min(lo + chunk, rows), pack_chunk(weight[lo:lo + chunk])) for lo in range(0, rows, chunk)]
         self._lookup: tuple | None = None
@@ -187,7 +199,7 @@ class PackedHead:
         from ..platforms.cpu_kernels import kernels  # here: the platforms import the layers
 
         if self.panels:  # a layout known, not read back
-            layouts = [cpu_gemm.row_layout(hi - lo, self.cols) for lo, hi, _ in self.chunks]
+            layouts = [cpu_gemm.row_layout(hi - lo, self.cols, self.dtype) for lo, hi, _ in self.chunks]
             pointers = torch.tensor([w.data_ptr() for _, _, w in self.chunks], dtype=torch.int64)
         elif not all(hasattr(torch.ops.mkldnn, op) for op in ("data_ptr", "_nbytes")):
             return False  # a torch that cannot show a packed buffer
@@ -304,7 +316,7 @@ def prepack_model(model: nn.Module) -> int:
     if packed:
         _return_freed_memory()
         logger.info("Prepacked %d linear weights for %s (LOOM_CPU_PREPACK=0 to keep F.linear)", packed,
-                    "loom's fp32 GEMM and oneDNN" if envs.LOOM_CPU_PANEL_GEMM and _panel_gemm() else "oneDNN")
+                    "loom's own GEMM and oneDNN" if envs.LOOM_CPU_PANEL_GEMM and _panel_gemm() else "oneDNN")
     return packed
 
 

@@ -174,8 +174,10 @@ class CpuKernels:
         self.tape_run = lib.tape_run  # cpu_tape.c: a recorded step's calls in one (cpu_step_replay)
         self.tape_run.argtypes, self.tape_run.restype = [_PTR, _I64, _PTR], ctypes.c_int
         self.tape_op_size = int(lib.tape_op_size())
-        # cpu_gemm.c: the fp32 linear layer on AVX2 + FMA (layers/onednn.py decides where it runs)
-        self.panel_linear: cpu_gemm.PanelGemm | None = cpu_gemm.PanelGemm(lib) if lib.panel_available() else None
+        # cpu_gemm.c: the fp32 linear layer on AVX2 + FMA, the bf16 one on AVX512-BF16 (layers/onednn.py
+        # decides where they run)
+        gemm = cpu_gemm.PanelGemm(lib)
+        self.panel_linear: cpu_gemm.PanelGemm | None = gemm if gemm.dtypes else None
 
     @property
     def int8_activations(self) -> bool:
@@ -511,7 +513,7 @@ def kernels() -> CpuKernels | None:
             try:
                 cpu_gemm.self_check(k.panel_linear)
             except native.NativeKernelError as e:  # that kernel only: the others stay
-                logger.warning("loom's fp32 GEMM unavailable, linear layers stay on oneDNN: %s", e)
+                logger.warning("loom's own GEMM unavailable, linear layers stay on oneDNN: %s", e)
                 k.panel_linear = None
         return k
     except (native.NativeKernelError, OSError, subprocess.SubprocessError, AttributeError) as e:
