@@ -92,14 +92,20 @@ def check(k: ctypes.CDLL) -> None:
                              f"error {errs[0]:.3g}, F.linear's {errs[1]:.3g}")
 
 
-def median_ms(paths: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+def timed_rounds(paths: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each path in each of ``rounds`` rounds, the paths alternated within a round (after
+    one round that warms up)."""
     times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(rounds + 1):  # the first round warms up
+    for _ in range(rounds + 1):
         for name, run in paths.items():
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t[1:]) * 1e3 for name, t in times.items()}
+    return {name: t[1:] for name, t in times.items()}
+
+
+def median_ms(paths: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
+    return {name: statistics.median(t) * 1e3 for name, t in timed_rounds(paths, rounds).items()}
 
 
 def main() -> None:

@@ -36,7 +36,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +44,7 @@ from loom.platforms import cpu_gemm
 from loom.platforms.cpu_kernels import kernels
 
 sys.path.insert(0, os.path.dirname(__file__))
-from amx_linear import LAYERS, SHAPES  # noqa: E402  (the bf16 AMX prototype's harness)
+from amx_linear import LAYERS, SHAPES, timed_rounds  # noqa: E402  (the bf16 AMX prototype's harness)
 
 
 def main() -> None:
@@ -77,24 +76,12 @@ def main() -> None:
                                               for w, p in zip(weights, packed)],
                      "F.linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights],
                      "panels": lambda xs=xs: [gemm(xs[w.shape[1]], p) for w, p in zip(weights, panels)]}
-            times = rounds(paths, args.rounds)
+            times = timed_rounds(paths, args.rounds)
             for name, t in times.items():
                 ms = statistics.median(t) * 1e3
                 ratio = statistics.median(a / b for a, b in zip(times["onednn"], t))
                 print(f"| {m} | {name} | {ms:.2f} | {flops_per_row * m / ms / 1e6:.0f} | "
                       f"{f'{ratio:.3f}x' if name == 'panels' else ''} |", flush=True)
-
-
-def rounds(paths: dict, count: int) -> dict[str, list[float]]:
-    """Seconds of each path in each of ``count`` rounds, the paths alternated within a round (after
-    one round that warms up)."""
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    for _ in range(count + 1):
-        for name, run in paths.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return {name: t[1:] for name, t in times.items()}
 
 
 if __name__ == "__main__":

@@ -180,10 +180,6 @@ int panel_linear_f32(const float *x, int64_t xs, const float *wp, const float *b
 
 int panel_bf16_available(void) { return 1; }
 
-static inline __attribute__((always_inline)) __m512 pbf_widen(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* ROWS x (16 NP) of c = x rows . the panel pair at b (the second panel kp pairs after the first),
  * plus bias where given; ROWS and NP are constants at each call (always inlined). */
 static inline __attribute__((always_inline)) void pbf_tile(const uint16_t *x, int64_t xs, const uint16_t *b,
@@ -215,7 +211,7 @@ static inline __attribute__((always_inline)) void pbf_tile(const uint16_t *x, in
     for (int i = 0; i < rows; i++)
         for (int h = 0; h < np; h++) {
             __m512 v = acc[i][h];
-            if (bias) v = _mm512_add_ps(v, pbf_widen(bias + 16 * h));
+            if (bias) v = _mm512_add_ps(v, load_bf16_512(bias + 16 * h)); /* cpu_kernels.c's */
             _mm256_storeu_si256((__m256i *)(c + i * ldc + 16 * h), (__m256i)_mm512_cvtneps_pbh(v));
         }
 }
