@@ -18,7 +18,8 @@ weights, so they come from memory as in a step) and M rows of activations, three
 
 With ``--dtype bfloat16`` the weights are bf16 and ``panels`` is the bf16 kernel of the same
 file (``vdpbf16ps``: 8 x 32 tiles over the whole of K, pairs of k side by side in the panel);
-``F.linear`` is then oneDNN too, on the plain weight.
+``F.linear`` is then oneDNN too, on the plain weight. A second table then times the 30 gate/up
+GEMMs with their SiLU-and-mul: two ops against the kernel's one pass.
 
 Each row of the table: ms for the 120 calls (median of rounds, the three alternated in each
 round), GFLOP/s, and for ``panels`` its speed over oneDNN's, the median of the rounds' ratios (a
@@ -82,6 +83,27 @@ def main() -> None:
                 ratio = statistics.median(a / b for a, b in zip(times["onednn"], t))
                 print(f"| {m} | {name} | {ms:.2f} | {flops_per_row * m / ms / 1e6:.0f} | "
                       f"{f'{ratio:.3f}x' if name == 'panels' else ''} |", flush=True)
+    if dtype in gemm.gated_dtypes:
+        gated(gemm, k, [p for w, p in zip(weights, panels) if w.shape == (2 * 1536, 576)], args.rows, args.rounds)
+
+
+def gated(gemm: cpu_gemm.PanelGemm, k, panels: list[torch.Tensor], rows: list[int], rounds: int) -> None:
+    """The 30 gate/up GEMMs with their SiLU-and-mul: as two ops (the GEMM writes [gate | up], the CPU
+    kernels' ``silu_and_mul`` reads it back) against one pass (``PanelGemm.silu_and_mul``, what a
+    Llama MLP runs where it can; the same bits)."""
+    print(f"\n{len(panels)} gate/up GEMMs (3072 x 576) with SiLU-and-mul\n")
+    print("| rows | path | ms, 30 calls | speed over two ops |\n|---|---|---|---|")
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for m in rows:
+            x = torch.randn(m, 576, generator=g).bfloat16()
+            paths = {"two ops": lambda x=x: [k.silu_and_mul(gemm(x, p)) for p in panels],
+                     "one pass": lambda x=x: [gemm.silu_and_mul(x, p) for p in panels]}
+            times = timed_rounds(paths, rounds)
+            for name, t in times.items():
+                ratio = statistics.median(a / b for a, b in zip(times["two ops"], t))
+                print(f"| {m} | {name} | {statistics.median(t) * 1e3:.2f} | "
+                      f"{f'{ratio:.3f}x' if name == 'one pass' else ''} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -247,11 +247,16 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
         with record_function(f"loom::{name}"):
             return prefill_call(self, query, *a, **kw)
 
-    gemm_call = cpu_gemm.PanelGemm.__call__  # and loom's own GEMM (eager steps: prefill, the LM head)
+    # and loom's own GEMM (eager steps: prefill, the LM head), with its SiLU-and-mul pass (a GEMM)
+    gemm_call, gated_call = cpu_gemm.PanelGemm.__call__, cpu_gemm.PanelGemm.silu_and_mul
 
     def named_gemm(*a: Any, **kw: Any) -> Any:
         with record_function("loom::panel_linear"):
             return gemm_call(*a, **kw)
+
+    def named_gated(*a: Any, **kw: Any) -> Any:
+        with record_function("loom::panel_linear_silu"):
+            return gated_call(*a, **kw)
 
     # Likewise the CPU platform's fused kernels behind the ops' forward_cpu (looked up per call).
     installed = dict(custom_op.kernel_registry)
@@ -274,7 +279,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
 
     if modules:
         kernel_cls.__call__, kernel_cls.prefill = named_kernel, named_prefill
-        cpu_gemm.PanelGemm.__call__ = named_gemm
+        cpu_gemm.PanelGemm.__call__, cpu_gemm.PanelGemm.silu_and_mul = named_gemm, named_gated
         cpu_step_replay._Tape.__call__ = named_tape
         for name, fn in installed.items():
             custom_op.kernel_registry[name] = functools.partial(named, f"loom::{name}", fn)
@@ -293,7 +298,7 @@ def instrument(llm: Any, phases: list[list[Any]], modules: bool) -> Callable[[],
             h.remove()
         del core.step, executor.execute_model, runner.model.logits_processor.greedy_token_ids
         kernel_cls.__call__, kernel_cls.prefill = kernel_call, prefill_call
-        cpu_gemm.PanelGemm.__call__ = gemm_call
+        cpu_gemm.PanelGemm.__call__, cpu_gemm.PanelGemm.silu_and_mul = gemm_call, gated_call
         cpu_step_replay._Tape.__call__ = tape_call
         custom_op.kernel_registry.update(installed)
     return undo

@@ -44,6 +44,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # "0" keeps CPU linear layers on oneDNN where loom's own GEMM would run them (fp32 on AVX2
     # CPUs without AVX-512, bf16 on AVX512-BF16 ones without AMX: layers/onednn.py, platforms/cpu_gemm.c).
     "LOOM_CPU_PANEL_GEMM": lambda: os.environ.get("LOOM_CPU_PANEL_GEMM", "1") != "0",
+    # "0" runs a gated MLP's gate/up GEMM and its SiLU-and-mul as two ops where loom's bf16 GEMM
+    # would do both in one pass (the same bits either way: models/llama.py, platforms/cpu_gemm.c).
+    "LOOM_CPU_FUSED_MLP": lambda: os.environ.get("LOOM_CPU_FUSED_MLP", "1") != "0",
     # Where converted weights (GGUF -> safetensors) and compiled CPU kernels are cached.
     "LOOM_CACHE_DIR": lambda: os.environ.get(
         "LOOM_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "loom")

@@ -21,7 +21,7 @@ from ..distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from .onednn import linear
+from .onednn import linear, silu_and_mul_linear
 
 __all__ = [
     "ColumnParallelLinear",
@@ -160,6 +160,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         with torch.no_grad():
             _copy_checked(param.data.narrow(0, offset, size),
                           loaded_weight.narrow(0, self.tp_rank * size, size), f"{self.prefix}[{shard_id}]")
+
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this layer's two outputs in one pass where its weight's form has
+        one (``onednn.silu_and_mul_linear``: loom's bf16 GEMM on the CPU), else None: the caller
+        runs the layer, then ``SiluAndMul``. Only for two outputs of one size, without LoRA
+        (adapters add to the outputs before the activation) or a gathered output."""
+        if (self.lora is not None or self.gather_output or len(self.output_sizes) != 2
+                or self.output_sizes[0] != self.output_sizes[1]):
+            return None
+        return silu_and_mul_linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):

@@ -58,7 +58,7 @@ from ..platforms import cpu_features, cpu_gemm
 logger = init_logger("loom.layers.onednn")
 
 __all__ = ["PackedHead", "available", "blas_for_many_rows", "dense", "linear", "pack", "pack_weight", "panels_for",
-           "prepack_model", "row_layout"]
+           "prepack_model", "row_layout", "silu_and_mul_linear"]
 
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 64  # oneDNN picks its blocking for this many rows; any row count still works
@@ -175,6 +175,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear, bias: torch.
             return F.linear(x, weight.to_dense(), bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedLinear,
+                        bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``silu(g) * u`` of ``[g | u] = linear(x, weight, bias)`` (a gated MLP's merged gate and up
+    projection: the weight's first half of rows the gate's) in one pass of loom's GEMM
+    (``PanelGemm.silu_and_mul``), bit for bit what :func:`linear` and the CPU platform's
+    ``silu_and_mul`` kernel give. None where the weight is not in panels for these rows (oneDNN's
+    layout, a dense weight, a quantized layer's rows that go through its codes) or that GEMM has
+    no such pass for them (fp32): the caller then runs the two ops."""
+    if isinstance(weight, QuantizedLinear):
+        # here, not at the top: it imports this module
+        from .quantized import CpuQuantizedWeight
+
+        prepared = weight.kernel_weight() if type(weight) is QuantizedLinear else None
+        if not isinstance(prepared, CpuQuantizedWeight):
+            return None  # another platform's kernel, or none
+        weight = prepared.dense_for(x)
+        if weight is None:
+            return None
+    gemm = _panel_gemm()
+    return None if weight.dim() != 3 or gemm is None else gemm.silu_and_mul(x, weight, bias)
 
 
 class PackedHead:

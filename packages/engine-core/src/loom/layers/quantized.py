@@ -232,6 +232,13 @@ class CpuQuantizedWeight:
         few rows (the quantized LM head of ``LogitsProcessor``) never holds one."""
         return self.make_dense()
 
+    def dense_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The dense copy where :func:`cpu_quantized_linear` multiplies ``x`` (of the compute
+        dtype) by it, None where ``x``'s rows go through the codes (or ``x`` is of another dtype)."""
+        if x.dtype != self.dtype or (self.reads_codes and x.numel() <= self.max_rows * x.shape[-1]):
+            return None
+        return self.dense
+
     def make_dense(self) -> torch.Tensor:
         if self._dense is None:
             if self._weight is None:  # only a packed 8-bit weight gets here before its dense copy

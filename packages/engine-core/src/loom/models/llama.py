@@ -13,6 +13,7 @@ import torch.nn as nn
 from loom_plugin_api.ops.layernorm import RMSNorm
 from loom_plugin_api.ops.rotary_embedding import get_rope
 
+from .. import envs
 from ..distributed import get_tensor_model_parallel_world_size
 from ..layers.activation import SiluAndMul
 from ..layers.attention import Attention
@@ -46,11 +47,17 @@ class LlamaMLP(nn.Module):
             hidden_size, [intermediate_size] * 2, bias=bias, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
+        # gate, up and the activation in one pass where the layer's GEMM has one (loom's bf16 GEMM
+        # on the CPU) and the op runs the CPU platform's kernel, whose result it gives bit for bit
+        # (LOOM_CPU_FUSED_MLP=0: two ops)
+        self.fused = (envs.LOOM_CPU_FUSED_MLP and type(self.act_fn) is SiluAndMul
+                      and self.act_fn.forward_method_name == "forward_cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.gate_up_proj(x)  # (T, 2 * I / tp)
-        x = self.act_fn(x)  # (T, I / tp)
-        return self.down_proj(x)  # (T, hidden)
+        y = self.gate_up_proj.silu_and_mul(x) if self.fused else None
+        if y is None:
+            y = self.act_fn(self.gate_up_proj(x))  # (T, 2 * I / tp) -> (T, I / tp)
+        return self.down_proj(y)  # (T, hidden)
 
 
 class LlamaAttention(nn.Module):

@@ -180,24 +180,29 @@ int panel_linear_f32(const float *x, int64_t xs, const float *wp, const float *b
 
 int panel_bf16_available(void) { return 1; }
 
-/* ROWS x (16 NP) of c = x rows . the panel pair at b (the second panel kp pairs after the first),
- * plus bias where given; ROWS and NP are constants at each call (always inlined). */
-static inline __attribute__((always_inline)) void pbf_tile(const uint16_t *x, int64_t xs, const uint16_t *b,
-                                                            int64_t kp, uint16_t *c, int64_t ldc, const int rows,
-                                                            const int np, const uint16_t *bias, int ahead) {
+/* ROWS x (16 NP) of c = x rows . the panels at b0 and b1 (NP = 1: b0 only), plus their bias
+ * (bias0, bias1) where given; ROWS, NP and GATED are constants at each call (always inlined).
+ * GATED (NP = 2: b0 a gate panel, b1 its up panel) writes the 16 columns silu(gate) * up instead,
+ * with the roundings of the two ops it replaces: gate and up rounded to bf16 as this kernel
+ * stores them, then cpu_kernels.c's silu_and_mul_wide_bf16 on them (silu rounded, the product
+ * rounded), so the result is bit for bit theirs. */
+static inline __attribute__((always_inline)) void pbf_tile(const uint16_t *x, int64_t xs, const uint16_t *b0,
+                                                            const uint16_t *b1, int64_t kp, uint16_t *c,
+                                                            int64_t ldc, const int rows, const int np,
+                                                            const int gated, const uint16_t *bias0,
+                                                            const uint16_t *bias1, int ahead) {
     __m512 acc[PBF_MR][2];
     const uint16_t *xr[PBF_MR];
     for (int i = 0; i < rows; i++) {
         acc[i][0] = acc[i][1] = _mm512_setzero_ps();
         xr[i] = x + i * xs;
     }
-    const uint16_t *b1 = b + kp * 32;
     for (int64_t q = 0; q < kp; q++) {
         if (ahead && q + PBF_AHEAD < kp) { /* a 64-byte line a pair of k and panel */
-            __builtin_prefetch(b + (q + PBF_AHEAD) * 32, 0, 3);
+            __builtin_prefetch(b0 + (q + PBF_AHEAD) * 32, 0, 3);
             if (np == 2) __builtin_prefetch(b1 + (q + PBF_AHEAD) * 32, 0, 3);
         }
-        const __m512bh w0 = (__m512bh)_mm512_load_si512(b + q * 32);
+        const __m512bh w0 = (__m512bh)_mm512_load_si512(b0 + q * 32);
         __m512bh w1 = w0;
         if (np == 2) w1 = (__m512bh)_mm512_load_si512(b1 + q * 32);
         for (int i = 0; i < rows; i++) {
@@ -208,50 +213,66 @@ static inline __attribute__((always_inline)) void pbf_tile(const uint16_t *x, in
             if (np == 2) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, w1);
         }
     }
-    for (int i = 0; i < rows; i++)
+    for (int i = 0; i < rows; i++) {
+        if (gated) {
+            __m512 g = acc[i][0], u = acc[i][1];
+            if (bias0) {
+                g = _mm512_add_ps(g, load_bf16_512(bias0));
+                u = _mm512_add_ps(u, load_bf16_512(bias1));
+            }
+            g = widen_bf16_512((__m256i)_mm512_cvtneps_pbh(g)); /* as stored, then as loaded */
+            u = widen_bf16_512((__m256i)_mm512_cvtneps_pbh(u));
+            const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                            exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            store16_bf16_512(c + i * ldc, _mm512_mul_ps(round_bf16_512(s), u));
+            continue;
+        }
         for (int h = 0; h < np; h++) {
             __m512 v = acc[i][h];
-            if (bias) v = _mm512_add_ps(v, load_bf16_512(bias + 16 * h)); /* cpu_kernels.c's */
+            if (bias0) v = _mm512_add_ps(v, load_bf16_512(h ? bias1 : bias0)); /* cpu_kernels.c's */
             _mm256_storeu_si256((__m256i *)(c + i * ldc + 16 * h), (__m256i)_mm512_cvtneps_pbh(v));
         }
+    }
 }
 
 #define PBF_ROWS(R)                                                                                  \
     case R:                                                                                          \
-        if (np == 2) pbf_tile(x, xs, b, kp, c, ldc, R, 2, bias, ahead);                              \
-        else pbf_tile(x, xs, b, kp, c, ldc, R, 1, bias, ahead);                                      \
+        if (gated) pbf_tile(x, xs, b0, b1, kp, c, ldc, R, 2, 1, bias0, bias1, ahead);                \
+        else if (np == 2) pbf_tile(x, xs, b0, b1, kp, c, ldc, R, 2, 0, bias0, bias1, ahead);         \
+        else pbf_tile(x, xs, b0, b1, kp, c, ldc, R, 1, 0, bias0, bias1, ahead);                      \
         break;
 
-static void pbf_sliver(const uint16_t *x, int64_t xs, const uint16_t *b, int64_t kp, uint16_t *c, int64_t ldc,
-                       int rows, int np, const uint16_t *bias, int ahead) {
+static void pbf_sliver(const uint16_t *x, int64_t xs, const uint16_t *b0, const uint16_t *b1, int64_t kp,
+                       uint16_t *c, int64_t ldc, int rows, int np, int gated, const uint16_t *bias0,
+                       const uint16_t *bias1, int ahead) {
     switch (rows) {
-    PBF_ROWS(8) PBF_ROWS(7) PBF_ROWS(6) PBF_ROWS(5) PBF_ROWS(4) PBF_ROWS(3) PBF_ROWS(2)
-    default:
-        if (np == 2) pbf_tile(x, xs, b, kp, c, ldc, 1, 2, bias, ahead);
-        else pbf_tile(x, xs, b, kp, c, ldc, 1, 1, bias, ahead);
+    PBF_ROWS(8) PBF_ROWS(7) PBF_ROWS(6) PBF_ROWS(5) PBF_ROWS(4) PBF_ROWS(3) PBF_ROWS(2) PBF_ROWS(1)
+    default: break;
     }
 }
 
-/* Rows [r0, r1) times the panel pair u (its last may be a single panel), all of K. The first
- * sliver asks for the pair's lines ahead; the others find them in L2. */
+/* Rows [r0, r1) times the panel pair u, all of K: panels 2u and 2u + 1 (the last pair may be a
+ * single panel), or where gated the gate panel u and its up panel u + panels / 2, into output
+ * columns 16 u on. The first sliver asks for the pair's lines ahead; the others find them in L2. */
 static void pbf_unit(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
-                     int64_t ys, int64_t r0, int64_t r1, int64_t u, int64_t kp, int64_t panels) {
-    const int64_t p = 2 * u;
-    const int np = panels - p >= 2 ? 2 : 1;
+                     int64_t ys, int64_t r0, int64_t r1, int64_t u, int64_t kp, int64_t panels, int gated) {
+    const int64_t p0 = gated ? u : 2 * u, p1 = gated ? u + panels / 2 : 2 * u + 1;
+    const int np = p1 < panels ? 2 : 1;
+    const int64_t col = (gated ? u : 2 * u) * PBF_NR;
     for (int64_t r = r0; r < r1; r += PBF_MR)
-        pbf_sliver(x + r * xs, xs, wp + p * kp * 32, kp, y + r * ys + p * PBF_NR, ys,
-                   (int)(r1 - r < PBF_MR ? r1 - r : PBF_MR), np, bias ? bias + p * PBF_NR : NULL,
-                   r == r0);
+        pbf_sliver(x + r * xs, xs, wp + p0 * kp * 32, wp + p1 * kp * 32, kp, y + r * ys + col, ys,
+                   (int)(r1 - r < PBF_MR ? r1 - r : PBF_MR), np, gated, bias ? bias + p0 * PBF_NR : NULL,
+                   bias ? bias + p1 * PBF_NR : NULL, r == r0);
 }
 
-/* 0, or 1: arguments it cannot take (n not a multiple of 16, k odd, a misaligned weight, no rows) */
-int panel_linear_bf16(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
-                      int64_t ys, int64_t m, int64_t n, int64_t k, int nthreads) {
-    if (m < 1 || n < PBF_NR || n % PBF_NR || k < 2 || k % 2 || nthreads < 1 || ((uintptr_t)wp & 63)) return 1;
-    const int64_t panels = n / PBF_NR, pairs = (panels + 1) / 2, kp = k / 2;
+/* Both entry points: row blocks of (nearly) equal size, whole slivers, and the threads' equal
+ * shares of the panel pairs (as by_panels above) or of the (row block, pair) units */
+static void pbf_run(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                    int64_t ys, int64_t m, int64_t n, int64_t k, int nthreads, int gated) {
+    const int64_t panels = n / PBF_NR, pairs = gated ? panels / 2 : (panels + 1) / 2, kp = k / 2;
     const int64_t blocks = (m + PBF_MC - 1) / PBF_MC;
     const int64_t mc = ((m + blocks - 1) / blocks + PBF_MR - 1) / PBF_MR * PBF_MR;
-    const int by_pairs = pairs >= 4 * (int64_t)nthreads; /* as by_panels above, in pairs */
+    const int by_pairs = pairs >= 4 * (int64_t)nthreads;
     const int64_t units = by_pairs ? pairs : blocks * pairs;
     if (nthreads > units) nthreads = (int)units;
     #pragma omp parallel num_threads(nthreads) if(nthreads > 1)
@@ -261,14 +282,33 @@ int panel_linear_bf16(const uint16_t *x, int64_t xs, const uint16_t *wp, const u
         if (by_pairs) {
             for (int64_t r0 = 0; r0 < m; r0 += mc)
                 for (int64_t u = lo; u < hi; u++)
-                    pbf_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, u, kp, panels);
+                    pbf_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, u, kp, panels, gated);
         } else {
             for (int64_t v = lo; v < hi; v++) {
                 const int64_t r0 = v / pairs * mc;
-                pbf_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, v % pairs, kp, panels);
+                pbf_unit(x, xs, wp, bias, y, ys, r0, r0 + mc < m ? r0 + mc : m, v % pairs, kp, panels, gated);
             }
         }
     }
+}
+
+/* 0, or 1: arguments it cannot take (n not a multiple of 16, k odd, a misaligned weight, no rows) */
+int panel_linear_bf16(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                      int64_t ys, int64_t m, int64_t n, int64_t k, int nthreads) {
+    if (m < 1 || n < PBF_NR || n % PBF_NR || k < 2 || k % 2 || nthreads < 1 || ((uintptr_t)wp & 63)) return 1;
+    pbf_run(x, xs, wp, bias, y, ys, m, n, k, nthreads, 0);
+    return 0;
+}
+
+/* y (m x n / 2) = silu(g) * u of [g | u] = x . W^T (+ bias), W's first n / 2 rows the gate's and
+ * the rest the up projection's (a gated MLP's merged weight), without [g | u] ever in memory:
+ * each tile takes gate panel j and up panel j. 0, or 1: arguments it cannot take (n not a
+ * multiple of 32, k odd, a misaligned weight, no rows). */
+int panel_linear_silu_bf16(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                           int64_t ys, int64_t m, int64_t n, int64_t k, int nthreads) {
+    if (m < 1 || n < 2 * PBF_NR || n % (2 * PBF_NR) || k < 2 || k % 2 || nthreads < 1 || ((uintptr_t)wp & 63))
+        return 1;
+    pbf_run(x, xs, wp, bias, y, ys, m, n, k, nthreads, 1);
     return 0;
 }
 
@@ -280,6 +320,11 @@ int panel_linear_bf16(const uint16_t *x, int64_t xs, const uint16_t *wp, const u
                       int64_t ys, int64_t m, int64_t n, int64_t k, int nthreads) {
     (void)x, (void)xs, (void)wp, (void)bias, (void)y, (void)ys, (void)m, (void)n, (void)k, (void)nthreads;
     return 1;
+}
+
+int panel_linear_silu_bf16(const uint16_t *x, int64_t xs, const uint16_t *wp, const uint16_t *bias, uint16_t *y,
+                           int64_t ys, int64_t m, int64_t n, int64_t k, int nthreads) {
+    return panel_linear_bf16(x, xs, wp, bias, y, ys, m, n, k, nthreads);
 }
 
 #endif

@@ -20,6 +20,7 @@ it. ``layers/onednn.py`` decides where layers hold it.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -74,45 +75,86 @@ class PanelGemm:
     """``F.linear(x, from_panels(panels), bias)`` through ``panel_linear_f32`` or
     ``panel_linear_bf16``, for the :attr:`dtypes` this CPU's build has; any x the kernel cannot
     take (another dtype than the weight's, not on the CPU) goes through ``F.linear`` on the dense
-    weight, which computes it or says what is wrong (a width that does not fit, a dtype mismatch)."""
+    weight, which computes it or says what is wrong (a width that does not fit, a dtype mismatch).
+    :meth:`silu_and_mul` is a gated MLP's merged gate and up projection and its activation in one
+    pass, for the :attr:`gated_dtypes`."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {}
-        for dtype, name, available in ((torch.float32, "panel_linear_f32", lib.panel_available),
-                                       (torch.bfloat16, "panel_linear_bf16", lib.panel_bf16_available)):
+        self._fns: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        self._gated: dict[torch.dtype, ctypes._CFuncPtr] = {}
+        for dtype, name, gated, available in (
+                (torch.float32, "panel_linear_f32", None, lib.panel_available),
+                (torch.bfloat16, "panel_linear_bf16", "panel_linear_silu_bf16", lib.panel_bf16_available)):
             if available():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT], ctypes.c_int
-                self._fns[dtype] = fn
+                for table, fn_name in ((self._fns, name), (self._gated, gated)):
+                    if fn_name is not None:
+                        fn = getattr(lib, fn_name)
+                        fn.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _INT]
+                        fn.restype = ctypes.c_int
+                        table[dtype] = fn
         self.dtypes = frozenset(self._fns)
         """The weight dtypes compiled in: float32 on AVX2 + FMA, bfloat16 on AVX512-BF16."""
+        self.gated_dtypes = frozenset(self._gated)
+        """Those :meth:`silu_and_mul` takes: bfloat16 (fp32's 6 x 16 tile has no registers left for
+        a second panel)."""
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         fn = self._fns.get(panels.dtype)
+        self._check(fn, panels)
+        dtype = panels.dtype
+        n, k = panels.shape[0] * PANEL, panels.shape[1] * GROUP[dtype]
+        if not self._takes(x, bias, dtype, n, k):
+            return F.linear(x, from_panels(panels), bias)
+        return self._run(fn, x, panels, bias, n, k, n)
+
+    def silu_and_mul(self, x: torch.Tensor, panels: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``silu(g) * u`` where ``[g | u] = self(x, panels, bias)``, the weight's first half of
+        rows the gate projection's and the rest the up projection's, in one pass
+        (``panel_linear_silu_bf16``: each tile multiplies a gate panel and its up panel and writes
+        the product, so ``[g | u]`` is never in memory). Bit for bit what this GEMM then the CPU
+        kernels' ``silu_and_mul`` give. None where there is no such pass for these arguments (a
+        dtype not in :attr:`gated_dtypes`, a half width not a multiple of 16, an ``x`` or bias
+        :meth:`__call__` would hand to ``F.linear``): the caller runs the two ops."""
+        fn = self._gated.get(panels.dtype)
+        if fn is None:
+            return None
+        self._check(fn, panels)
+        dtype = panels.dtype
+        n, k = panels.shape[0] * PANEL, panels.shape[1] * GROUP[dtype]
+        if n % (2 * PANEL) or not self._takes(x, bias, dtype, n, k):
+            return None
+        return self._run(fn, x, panels, bias, n, k, n // 2)
+
+    def _check(self, fn: ctypes._CFuncPtr | None, panels: torch.Tensor) -> None:
         if (fn is None or panels.ndim != 3 or panels.shape[2] != PANEL * GROUP[panels.dtype] or not panels.is_cpu
                 or not panels.is_contiguous()):
             raise ValueError(f"PanelGemm takes the contiguous (n / {PANEL}, k, {PANEL}) float32 or (n / {PANEL}, k / 2, "
                              f"{2 * PANEL}) bfloat16 CPU tensor of to_panels, of a dtype compiled here "
                              f"({sorted(map(str, self.dtypes))}), not {panels.dtype} {tuple(panels.shape)} on "
                              f"{panels.device}")
-        dtype = panels.dtype
-        n, k = panels.shape[0] * PANEL, panels.shape[1] * GROUP[dtype]
-        if (x.dtype != dtype or x.ndim == 0 or x.shape[-1] != k or not x.is_cpu
-                or (bias is not None and (bias.dtype != dtype or bias.shape != (n,) or not bias.is_contiguous()
-                                          or not bias.is_cpu))):
-            return F.linear(x, from_panels(panels), bias)
+
+    @staticmethod
+    def _takes(x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, n: int, k: int) -> bool:
+        return (x.dtype == dtype and x.ndim > 0 and x.shape[-1] == k and x.is_cpu
+                and (bias is None or (bias.dtype == dtype and bias.shape == (n,) and bias.is_contiguous()
+                                      and bias.is_cpu)))
+
+    @staticmethod
+    def _run(fn: ctypes._CFuncPtr, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
+             k: int, width: int) -> torch.Tensor:
         rows = x.reshape(-1, k) if x.ndim != 2 else x
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], n, dtype=dtype)
+        out = torch.empty(rows.shape[0], width, dtype=panels.dtype)
         if rows.shape[0]:
             rc = native.call(fn, rows.data_ptr(), rows.stride(0), panels.data_ptr(),
-                             0 if bias is None else bias.data_ptr(), out.data_ptr(), n, rows.shape[0], n, k,
+                             0 if bias is None else bias.data_ptr(), out.data_ptr(), width, rows.shape[0], n, k,
                              torch.get_num_threads())
             if rc:
                 raise RuntimeError(f"{fn.__name__} refused ({n}, {k}) panels at {panels.data_ptr():#x}: "
                                    "a weight not made by to_panels")
-        return out if x.ndim == 2 else out.view(*x.shape[:-1], n)
+        return out if x.ndim == 2 else out.view(*x.shape[:-1], width)
 
 
 def within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -128,13 +170,15 @@ def within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: tor
     return bool(((y.double() - ref).abs() <= bound).all())  # (a NaN fails)
 
 
-def self_check(gemm: PanelGemm) -> None:
+def self_check(gemm: PanelGemm, silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     """Each compiled kernel against a float64 reference (:func:`within_rounding`): 1 to 200 rows
     (every sliver size, row blocks whole and in part), K past a block of 256 and not a multiple of
-    8, an odd number of panels, a row stride wider than K, with and without a bias."""
+    8, an odd number of panels, a row stride wider than K, with and without a bias; and
+    :meth:`PanelGemm.silu_and_mul`, where compiled, bit for bit against the GEMM followed by
+    ``silu_and_mul`` (the CPU kernels')."""
     g = torch.Generator().manual_seed(0)
     for dtype in sorted(gemm.dtypes, key=str):
-        for m, n, k in ((1, 16, 8), (5, 32, 300), (7, 48, 64), (200, 16, 520), (13, 80, 36)):
+        for m, n, k in ((1, 16, 8), (5, 32, 300), (7, 48, 64), (200, 16, 520), (13, 80, 36), (9, 64, 40)):
             x = torch.randn(m, k + 8, generator=g).to(dtype)[:, 4:k + 4]
             w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
             for bias in (b, None):
@@ -143,3 +187,8 @@ def self_check(gemm: PanelGemm) -> None:
                     ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
                     raise native.NativeKernelError(f"the compiled {dtype} panel GEMM disagrees with torch at {m} x {k} "
                                                    f"-> {n} (max error {(got.double() - ref).abs().max():.3g})")
+                if dtype in gemm.gated_dtypes and silu_and_mul is not None and n % (2 * PANEL) == 0:
+                    fused = gemm.silu_and_mul(x, to_panels(w), bias)
+                    if fused is None or not torch.equal(fused, silu_and_mul(got)):
+                        raise native.NativeKernelError(f"the compiled {dtype} GEMM with SiLU-and-mul differs from the "
+                                                       f"two ops at {m} x {k} -> {n}")

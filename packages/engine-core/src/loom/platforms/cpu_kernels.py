@@ -511,7 +511,7 @@ def kernels() -> CpuKernels | None:
         _self_check(k)
         if k.panel_linear is not None:
             try:
-                cpu_gemm.self_check(k.panel_linear)
+                cpu_gemm.self_check(k.panel_linear, k.silu_and_mul)
             except native.NativeKernelError as e:  # that kernel only: the others stay
                 logger.warning("loom's own GEMM unavailable, linear layers stay on oneDNN: %s", e)
                 k.panel_linear = None
