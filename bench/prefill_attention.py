@@ -1,30 +1,33 @@
 """A prefill step's attention, through the CPU torch-SDPA backend, with and without loom's prefill kernel.
 
 The default model's heads (9 query heads, 3 KV heads of 64, blocks of 16 tokens), in bf16 with
-the AMX prefill kernel (``paged_prefill_amx.c``) or in fp32 (``--dtype float32``) with the fp32
-one (``paged_prefill_f32.c``). Each case is one step's prefill chunks (fresh prompts, or a chunk
+the AMX prefill kernel (``paged_prefill_amx.c``) or, on CPUs with AVX512-BF16 and no AMX, the
+decode kernel's prefill rows (``paged_decode_dpbf16.c``), or in fp32 (``--dtype float32``) with the
+fp32 one (``paged_prefill_f32.c``). Each case is one step's prefill chunks (fresh prompts, or a chunk
 after a cached prefix); the backend's ``forward`` (writing the chunks' K/V into the cache, then
 attending) runs with the kernel and without it (torch's flash kernel, one call per chunk length,
 or per chunk after a prefix over its gathered K/V), alternated; each figure is the median of
 ``--rounds`` rounds, ms a layer. The kernel is switched on for every case, whatever the
-backend's context limit (``AMX_PREFILL_MAX_CTX``, ``F32_PREFILL_MAX_CTX``), so the cases past
-the limit show why it is there.
+backend's context limit (``AMX_PREFILL_MAX_CTX``, ``F32_PREFILL_MAX_CTX``,
+``KERNEL_PREFILL_MAX_CTX``), so the cases past the limit show why it is there.
 
     python bench/prefill_attention.py
     python bench/prefill_attention.py --dtype float32 --rounds 15 --threads 2
 
-Random K/V and queries (the time depends on the lengths, not the values). Runs where the kernel
-does: bf16 on a CPU with AMX-BF16; fp32 anywhere the kernels build (the backend uses it on x86
+Random K/V and queries (the time depends on the lengths, not the values). Runs where a kernel
+does: bf16 on a CPU with AMX-BF16 or AVX512-BF16; fp32 anywhere the kernels build (the backend uses it on x86
 with AVX2 and no AVX-512). On a shared machine, compare figures from the same minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from loom.attention.backends import native, torch_sdpa
@@ -58,24 +61,23 @@ def step(chunks: list[tuple[int, int]], g: torch.Generator,
     return md, cache
 
 
-def time_case(impl: TorchSDPAImpl, kernel: native.PagedDecode, chunks: list[tuple[int, int]], rounds: int,
+def time_case(impl: TorchSDPAImpl, switch: Callable[[bool], None], chunks: list[tuple[int, int]], rounds: int,
               g: torch.Generator, dtype: torch.dtype) -> tuple[float, float]:
     md, cache = step(chunks, g, dtype)
     T = md.num_tokens
     q, k, v = (torch.randn(T, n * HEAD_SIZE, generator=g).to(dtype) for n in (HEADS, KV_HEADS, KV_HEADS))
-    flag = "amx_prefill" if dtype == torch.bfloat16 else "f32_prefill"
     times: dict[bool, list[float]] = {True: [], False: []}
     with torch.inference_mode():
         for _ in range(rounds):
             for on in (True, False):
-                setattr(kernel, flag, on)
+                switch(on)
                 md.scratch.clear()
                 impl.forward(None, q, k, v, cache, md)  # the step's plan (built once for all layers), warm-up
                 start = time.perf_counter()
                 for _ in range(5):
                     impl.forward(None, q, k, v, cache, md)
                 times[on].append((time.perf_counter() - start) / 5 * 1e3)
-    setattr(kernel, flag, True)
+    switch(True)
     return statistics.median(times[True]), statistics.median(times[False])
 
 
@@ -93,12 +95,19 @@ def main() -> None:
     kernel = native.paged_decode()
     if kernel is None:
         sys.exit("the CPU attention kernels did not build here (they need a C compiler with OpenMP)")
-    if dtype == torch.bfloat16 and not kernel.takes_amx_prefill(dtype, HEADS, KV_HEADS, HEAD_SIZE):
-        sys.exit("the AMX prefill kernel does not run here (it needs a CPU with AMX-BF16); try --dtype float32")
-    name = "AMX kernel" if dtype == torch.bfloat16 else "fp32 kernel"
+    shape = (dtype, HEADS, KV_HEADS, HEAD_SIZE)
+    if dtype == torch.float32:
+        name, switch = "fp32 kernel", functools.partial(setattr, kernel, "f32_prefill")
+    elif kernel.takes_amx_prefill(*shape):
+        name, switch = "AMX kernel", functools.partial(setattr, kernel, "amx_prefill")
+    elif kernel.takes_prefill(*shape):  # the decode kernel's prefill rows (paged_decode_dpbf16.c)
+        name, switch = "AVX512-BF16 kernel", functools.partial(kernel._takes_prefill.__setitem__, shape)
+    else:
+        sys.exit("no bf16 prefill kernel runs here (the AMX one needs AMX-BF16, the other AVX512-BF16 where "
+                 "torch's flash kernel has no AMX); try --dtype float32")
     impl = TorchSDPAImpl(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
     # every case through the kernel where it is switched on, past the backend's limits too
-    torch_sdpa.AMX_PREFILL_MAX_CTX = torch_sdpa.F32_PREFILL_MAX_CTX = 1 << 20
+    torch_sdpa.AMX_PREFILL_MAX_CTX = torch_sdpa.F32_PREFILL_MAX_CTX = torch_sdpa.KERNEL_PREFILL_MAX_CTX = 1 << 20
     rng = random.Random(0)
     mixed = [(rng.randint(16, 512), 0) for _ in range(8)]
     cases = {
@@ -115,7 +124,7 @@ def main() -> None:
           f"{args.rounds} rounds\n\n| step's prefill chunks | {name} ms | torch SDPA ms | SDPA / kernel |\n"
           "|---|---|---|---|")
     for case, chunks in cases.items():
-        ours, sdpa = time_case(impl, kernel, chunks, args.rounds, g, dtype)
+        ours, sdpa = time_case(impl, switch, chunks, args.rounds, g, dtype)
         print(f"| {case} | {ours:.2f} | {sdpa:.2f} | {sdpa / ours:.2f}x |", flush=True)
 
 

@@ -528,6 +528,30 @@ def test_bf16_prefill_rows_against_torch(kernel, heads, kv_heads, head_size):
     assert (out[untouched] == 7.0).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_bf16_prefill_rows_see_a_non_finite_value_only_from_their_own_context(kernel, bad):
+    """A chunk's rows (contexts 1 to 7) with a non-finite V at key 0 to 6: exactly the rows whose
+    context holds that key get a non-finite output, whether the row's context is even or odd (the
+    AVX512-BF16 kernel multiplies keys in pairs, its last pair at an odd context holding a key past
+    the row's own); the other rows are the float64 reference's."""
+    g = torch.Generator().manual_seed(9)
+    tables = torch.tensor([[1, 0]])
+    rows, ctx = torch.arange(7), torch.arange(1, 8)
+    query = torch.randn(7, 9 * 64, generator=g).to(torch.bfloat16)
+    k_cache = torch.randn(32, 3, 64, generator=g).to(torch.bfloat16)
+    for key in range(7):
+        v_cache = torch.randn(32, 3, 64, generator=g).to(torch.bfloat16)
+        v_cache[16 + key, 1, 5] = bad  # key `key` of the request (block 1 first), KV head 1, element 5
+        out = torch.zeros(7, 9 * 64, dtype=torch.bfloat16)
+        kernel(query, rows, torch.zeros(7, dtype=torch.int64), k_cache, v_cache, tables, ctx, out, num_heads=9,
+               block_size=16, scale=0.125)
+        finite = out.isfinite().all(dim=1)
+        assert finite.tolist() == [c <= key for c in ctx.tolist()], key
+        want = _reference(query, rows, torch.zeros(7, dtype=torch.int64), k_cache, v_cache, tables, ctx, 9, 16,
+                          0.125)
+        torch.testing.assert_close(out[finite].double(), want[finite], atol=1.6e-2, rtol=1.6e-2)
+
+
 def test_a_row_without_context_gets_zeros(kernel):
     """No decode row comes without context; one that did gets zeros from every kernel (not what
     was in their scratch memory), beside a row that has one."""

@@ -242,41 +242,93 @@ static void decode_item(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_
  * Rows b .. b+n-1 of the same request whose contexts grow by one (the tokens of a prefill chunk,
  * each attending to the positions up to its own) share each K and V tile: K's 16 tokens are
  * transposed once into pairs (lane j of kt[i] = elements 2i, 2i+1 of token j), so a query head's
- * 16 scores are D/2 `vdpbf16ps` with the query's pair broadcast, and no reduction; V's 16 tokens
- * are widened to fp32 once for all the run's heads. P is rounded to bf16 before P.V, where
- * torch's flash kernel (the path this replaces) rounds it: with P kept in fp32 the default
- * model's greedy chat answers drifted from torch's as often as bf16 answers drift from fp32 ones,
- * the README's example among them. */
+ * 16 scores are D/2 `vdpbf16ps` with the query's pair broadcast, and no reduction. P is rounded
+ * to bf16 before P.V, where torch's flash kernel (the path this replaces) rounds it: with P kept
+ * in fp32 the default model's greedy chat answers drifted from torch's as often as bf16 answers
+ * drift from fp32 ones, the README's example among them. So P.V is `vdpbf16ps` too: the run's
+ * context's V is laid out once as pairs of keys for all its heads (pv_pairs), and each row
+ * multiplies its own keys, its sums in registers. Before (2026-12-07), V was widened to fp32 a tile
+ * at a time and P rounded one float at a time: 16 prompts of 128 tokens, the default model's
+ * heads, 30 layers' K/V, 2.8-3.2 ms a layer against 1.9-2.1 now, the same bits (2 cores of an
+ * AMD EPYC with AVX512-BF16; the bits differ only where vdpbf16ps reads a subnormal P or V as
+ * zero). */
 #define QB 16
 
-static inline __attribute__((always_inline)) void pv_acc(const float *p, int64_t m, const float *vt, int64_t D,
-                                                         float *ac, const int ND) {
+/* o[16 c .. + 16] for c < ND (bf16) = sum over the row's m keys of P . V, with P as bf16 pairs pp[j]
+ * and V as pairs of keys, vp[(j * DC + c) * 32 ..], lane i holding V[2j + 1][16 c + i] in its low half
+ * and V[2j][16 c + i] in its high half (P's pair alike). vdpbf16ps adds the high half's product
+ * first, then the low half's, each rounded (both products are exact in fp32): key 2j, then 2j + 1,
+ * the order of one fused multiply-add a key, so the sums are bit for bit those of a key at a time.
+ * An odd m's last pair holds a key past the row's own position: its V is masked to zero, so a
+ * non-finite V there reaches no row that does not see it (its P is zero, but 0 * inf is NaN). */
+static inline __attribute__((always_inline)) void pv_pairs(const uint32_t *pp, int64_t m, const bf16_t *vp,
+                                                           int64_t DC, bf16_t *o, const int ND) {
     __m512 x[4];
-    for (int c = 0; c < ND; c++) x[c] = _mm512_loadu_ps(ac + 16 * c);
-    for (int64_t j = 0; j < m; j++) {
-        const __m512 w = _mm512_set1_ps(p[j]);
-        for (int c = 0; c < ND; c++) x[c] = _mm512_fmadd_ps(w, _mm512_load_ps(vt + j * D + 16 * c), x[c]);
+    for (int c = 0; c < ND; c++) x[c] = _mm512_setzero_ps();
+    const int64_t full = m / 2;
+    for (int64_t j = 0; j < full; j++) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[j]);
+        for (int c = 0; c < ND; c++) x[c] = _mm512_dpbf16_ps(x[c], load_bh(vp + (j * DC + c) * 32), w);
     }
-    for (int c = 0; c < ND; c++) _mm512_storeu_ps(ac + 16 * c, x[c]);
+    if (m & 1) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[full]);
+        for (int c = 0; c < ND; c++)
+            x[c] = _mm512_dpbf16_ps(x[c], (__m512bh)_mm512_maskz_mov_epi16(0xAAAAAAAAu,
+                                                                            _mm512_loadu_si512(vp + (full * DC + c) * 32)), w);
+    }
+    for (int c = 0; c < ND; c++) _mm256_storeu_si256((void *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(x[c]));
+}
+
+/* vpermt2w's index for a pair of keys: element 2i from b (key 2j + 1), 2i + 1 from a (key 2j) */
+static const uint16_t pair_lanes[32] = {32, 0, 33, 1, 34, 2, 35, 3, 36, 4, 37, 5, 38, 6, 39, 7,
+                                        40, 8, 41, 9, 42, 10, 43, 11, 44, 12, 45, 13, 46, 14, 47, 15};
+
+/* r[j][c] -> r[c][j]: a 16 x 16 matrix of 32-bit elements transposed in registers (interleaves of
+ * 32 and 64 bits within 128-bit lanes, then two exchanges of whole lanes) */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* lane L of t[4i + k]: column 4L + k of rows 4i .. 4i + 3 */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88), u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xDD);
+        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xDD);
+        t[k] = _mm512_shuffle_i32x4(u0, u2, 0x88);      /* column k */
+        t[4 + k] = _mm512_shuffle_i32x4(u1, u3, 0x88);  /* column 4 + k */
+        t[8 + k] = _mm512_shuffle_i32x4(u0, u2, 0xDD);  /* column 8 + k */
+        t[12 + k] = _mm512_shuffle_i32x4(u1, u3, 0xDD); /* column 12 + k */
+    }
+    for (int c = 0; c < 16; c++) r[c] = t[c];
 }
 
 /* the run's n query rows (rq, contexts ctx_of, consecutive) for KV head kh */
 static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq, const int64_t *ctx_of, int64_t n,
                         const bf16_t *k_cache, const bf16_t *v_cache, const int64_t *table, int64_t block_size,
                         int64_t row, int64_t kh, int64_t g, int64_t D, float scale, float *scores, int64_t stride,
-                        u32_alias *kt, float *vt, float *acc, bf16_t *out, int64_t out_stride) {
+                        u32_alias *kt, bf16_t *vp, bf16_t *out, int64_t out_stride) {
     const int64_t ctxmax = ctx_of[n - 1], nh = n * g, dp = D / 2;
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < ctxmax; t0 += 16) {
+        const bf16_t *src[16];
         for (int j = 0; j < 16; j++) {
             const int64_t t = t0 + j;
-            if (t < ctxmax) {
-                const u32_alias *src = (const u32_alias *)(k_cache + (table[t / block_size] * block_size
-                                                                    + t % block_size) * row + kh * D);
-                for (int64_t i = 0; i < dp; i++) kt[i * 16 + j] = src[i];
-            } else {
-                for (int64_t i = 0; i < dp; i++) kt[i * 16 + j] = 0;
-            }
+            src[j] = t < ctxmax ? k_cache + (table[t / block_size] * block_size + t % block_size) * row + kh * D
+                                : NULL;
+        }
+        for (int64_t i0 = 0; i0 < dp; i0 += 16) { /* pairs i0 .. i0 + 15 of the 16 tokens */
+            __m512i r[16];
+            for (int j = 0; j < 16; j++)
+                r[j] = src[j] ? _mm512_loadu_si512((const void *)(src[j] + 2 * i0)) : _mm512_setzero_si512();
+            transpose16_epi32(r);
+            for (int c = 0; c < 16; c++) _mm512_store_si512((void *)(kt + (i0 + c) * 16), r[c]);
         }
         int64_t i0 = t0 + 1 - ctx_of[0]; /* the first query whose context reaches this tile */
         if (i0 < 0) i0 = 0;
@@ -300,39 +352,45 @@ static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq
         float *sr = scores + h * stride;
         const int64_t c = ctx_of[h / g];
         softmax_rows(sr, 1, stride, c, NULL, 1);
-        for (int64_t u = 0; u < c; u++) { /* P rounded to bf16, where torch's flash kernel rounds it */
-            const uint32_t b = (uint32_t)f32_to_bf16(sr[u]) << 16;
-            memcpy(sr + u, &b, sizeof b);
+        /* P rounded to bf16 (`vcvtne2ps2bf16`), where torch's flash kernel rounds it: the row's
+         * floats become a bf16 row in place (32 read, then 32 written over the first half of
+         * them), each pair of keys swapped within its 32 bits as pv_pairs takes them; past the
+         * row's own keys, zero */
+        bf16_t *pb = (bf16_t *)sr;
+        for (int64_t u = 0; u < c; u += 32) {
+            const __mmask16 m0 = c - u >= 16 ? 0xFFFF : (__mmask16)((1u << (c - u)) - 1);
+            const __mmask16 m1 = c - u >= 32 ? 0xFFFF : c - u <= 16 ? 0 : (__mmask16)((1u << (c - u - 16)) - 1);
+            const __m512 a = _mm512_maskz_loadu_ps(m0, sr + u), b = _mm512_maskz_loadu_ps(m1, sr + u + 16);
+            _mm512_storeu_si512((void *)(pb + u), _mm512_rol_epi32((__m512i)_mm512_cvtne2ps_pbh(b, a), 16));
         }
     }
-    memset(acc, 0, sizeof(float) * (size_t)(nh * D));
-    for (int64_t t0 = 0; t0 < ctxmax; t0 += 16) {
-        const int64_t nt = ctxmax - t0 < 16 ? ctxmax - t0 : 16;
-        for (int64_t j = 0; j < nt; j++) {
-            const int64_t t = t0 + j;
-            const bf16_t *src = v_cache + (table[t / block_size] * block_size + t % block_size) * row + kh * D;
-            for (int64_t c = 0; c < D / 16; c++) _mm512_store_ps(vt + j * D + 16 * c, widen16(src + 16 * c));
-        }
-        int64_t i0 = t0 + 1 - ctx_of[0];
-        if (i0 < 0) i0 = 0;
-        for (int64_t h = i0 * g; h < nh; h++) {
-            const int64_t ch = ctx_of[h / g] - t0, m = ch < nt ? ch : nt;
-            const float *p = scores + h * stride + t0;
-            for (int64_t c0 = 0; c0 < D / 16; c0 += 4) {
-                float *ac = acc + h * D + 16 * c0;
-                switch (D / 16 - c0 < 4 ? D / 16 - c0 : 4) {
-                case 4: pv_acc(p, m, vt + 16 * c0, D, ac, 4); break;
-                case 3: pv_acc(p, m, vt + 16 * c0, D, ac, 3); break;
-                case 2: pv_acc(p, m, vt + 16 * c0, D, ac, 2); break;
-                default: pv_acc(p, m, vt + 16 * c0, D, ac, 1); break;
-                }
-            }
+    /* V of the context as pairs of keys, once for all the run's heads: zeros past its end */
+    const int64_t DC = D / 16;
+    const __m512i lanes = _mm512_loadu_si512(pair_lanes);
+    for (int64_t j = 0; 2 * j < ctxmax; j++) {
+        const bf16_t *v0 = v_cache + (table[(2 * j) / block_size] * block_size + (2 * j) % block_size) * row + kh * D;
+        const int64_t t1 = 2 * j + 1;
+        const bf16_t *v1 = t1 < ctxmax ? v_cache + (table[t1 / block_size] * block_size + t1 % block_size) * row + kh * D
+                                       : NULL;
+        for (int64_t c = 0; c < DC; c++) {
+            const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(v0 + 16 * c)));
+            const __m512i b = v1 ? _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(v1 + 16 * c)))
+                                 : _mm512_setzero_si512();
+            _mm512_store_si512((void *)(vp + (j * DC + c) * 32), _mm512_permutex2var_epi16(a, lanes, b));
         }
     }
     for (int64_t h = 0; h < nh; h++) {
+        const uint32_t *pp = (const uint32_t *)(scores + h * stride);
+        const int64_t m = ctx_of[h / g];
         bf16_t *o = out + rq[h / g] * out_stride + (kh * g + h % g) * D;
-        for (int64_t c = 0; c < D / 16; c++)
-            _mm256_storeu_si256((void *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + h * D + 16 * c)));
+        for (int64_t c0 = 0; c0 < DC; c0 += 4) {
+            switch (DC - c0 < 4 ? DC - c0 : 4) {
+            case 4: pv_pairs(pp, m, vp + c0 * 32, DC, o + 16 * c0, 4); break;
+            case 3: pv_pairs(pp, m, vp + c0 * 32, DC, o + 16 * c0, 3); break;
+            case 2: pv_pairs(pp, m, vp + c0 * 32, DC, o + 16 * c0, 2); break;
+            default: pv_pairs(pp, m, vp + c0 * 32, DC, o + 16 * c0, 1); break;
+            }
+        }
     }
 }
 
@@ -372,9 +430,8 @@ static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int
     {
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)(QB * g * stride));
         u32_alias *kt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(8 * D)); /* D/2 pairs x 16 tokens */
-        float *vt = aligned_alloc(64, sizeof(float) * (size_t)(16 * D));
-        float *acc = aligned_alloc(64, sizeof(float) * (size_t)(QB * g * D));
-        if (!scores || !kt || !vt || !acc) {
+        bf16_t *vp = aligned_alloc(64, sizeof(bf16_t) * (size_t)(stride * D)); /* the context's V, in pairs */
+        if (!scores || !kt || !vp) {
             _Pragma("omp atomic write") failed = 1;
         } else {
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -384,10 +441,10 @@ static int prefill_runs_dp_bf16(const bf16_t *query, int64_t q_stride, const int
                 const int64_t k = it / Hk, kh = it % Hk, b0 = runs[k];
                 prefill_run(query, q_stride, rows_q + b0, ctx_lens + b0, lens[k], k_cache, v_cache,
                             tables + rows_req[b0] * bt_stride, block_size, row, kh, g, D, scale, scores, stride,
-                            kt, vt, acc, out, out_stride);
+                            kt, vp, out, out_stride);
             }
         }
-        free(scores); free(kt); free(vt); free(acc);
+        free(scores); free(kt); free(vp);
     }
     free(cost);
     return failed;
