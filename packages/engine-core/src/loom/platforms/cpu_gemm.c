@@ -164,6 +164,8 @@ int panel_linear_f32(const float *x, int64_t xs, const float *wp, const float *b
  * from memory, the others from L2 (every line against every other one: 1.08x at 64 rows, 1.03x
  * at 256; 16 or 48 ahead: the same; on into the next pair as well: 0.96-0.98x at 256 and 2,048
  * rows). Work splits between threads as in the fp32 kernel above, by panel pairs.
+ * panel_linear_silu_bf16 is the same GEMM for a gated MLP's merged gate/up weight whose tile pairs
+ * gate panel j with up panel j and writes silu(gate) * up (1.09x the two ops at 64 and 2,048 rows).
  *
  * Measured on 2 cores of an AMD EPYC with AVX512-BF16 (`bench/avx2_linear.py --dtype
  * bfloat16`, the default model's 120 layer GEMMs from memory, 2026-12-07): 64 rows 1.16x
