@@ -161,7 +161,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             _copy_checked(param.data.narrow(0, offset, size),
                           loaded_weight.narrow(0, self.tp_rank * size, size), f"{self.prefix}[{shard_id}]")
 
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this layer's two outputs in one pass where its weight's form has
         one (``onednn.silu_and_mul_linear``: loom's bf16 GEMM on the CPU), else None: the caller
