@@ -186,8 +186,8 @@ int panel_bf16_available(void) { return 1; }
  * (bias0, bias1) where given; ROWS, NP and GATED are constants at each call (always inlined).
  * GATED (NP = 2: b0 a gate panel, b1 its up panel) writes the 16 columns silu(gate) * up instead,
  * with the roundings of the two ops it replaces: gate and up rounded to bf16 as this kernel
- * stores them, then cpu_kernels.c's silu_and_mul_wide_bf16 on them (silu rounded, the product
- * rounded), so the result is bit for bit theirs. */
+ * stores them, then cpu_kernels.c's SiLU-and-mul arithmetic on them (silu_mul_bf16_512: silu
+ * rounded, the product rounded), so the result is bit for bit theirs. */
 static inline __attribute__((always_inline)) void pbf_tile(const uint16_t *x, int64_t xs, const uint16_t *b0,
                                                             const uint16_t *b1, int64_t kp, uint16_t *c,
                                                             int64_t ldc, const int rows, const int np,
@@ -224,9 +224,7 @@ static inline __attribute__((always_inline)) void pbf_tile(const uint16_t *x, in
             }
             g = widen_bf16_512((__m256i)_mm512_cvtneps_pbh(g)); /* as stored, then as loaded */
             u = widen_bf16_512((__m256i)_mm512_cvtneps_pbh(u));
-            const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                            exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-            store16_bf16_512(c + i * ldc, _mm512_mul_ps(round_bf16_512(s), u));
+            store16_bf16_512(c + i * ldc, silu_mul_bf16_512(g, u)); /* cpu_kernels.c's SiLU-and-mul */
             continue;
         }
         for (int h = 0; h < np; h++) {

@@ -179,13 +179,15 @@ static inline __m512 round_bf16_512(__m512 x) { return _mm512_castsi512_ps(_mm51
 static inline void store16_bf16_512(bf16_t *p, __m512 x) {
     _mm256_storeu_si256((void *)p, _mm512_cvtepi32_epi16(bf16_bits512(x)));
 }
+/* silu(a) rounded to bf16, times u, on sixteen lanes (the caller rounds the product): also the
+ * epilogue of cpu_gemm.c's one-pass gate/up GEMM, which gives these bits so */
+static inline __m512 silu_mul_bf16_512(__m512 a, __m512 u) {
+    const __m512 s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+    return _mm512_mul_ps(round_bf16_512(s), u);
+}
 static inline int64_t silu_and_mul_wide_bf16(const bf16_t *g, const bf16_t *u, bf16_t *o, int64_t d) {
     int64_t i = 0;
-    for (; i + 16 <= d; i += 16) {
-        const __m512 a = load_bf16_512(g + i);
-        const __m512 s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
-        store16_bf16_512(o + i, _mm512_mul_ps(round_bf16_512(s), load_bf16_512(u + i)));
-    }
+    for (; i + 16 <= d; i += 16) store16_bf16_512(o + i, silu_mul_bf16_512(load_bf16_512(g + i), load_bf16_512(u + i)));
     return i;
 }
 #else
