@@ -1,9 +1,10 @@
 """A decode step's attention over the paged cache, for batches whose contexts differ.
 
-The default model's heads (9 query heads, 3 KV heads of 64, bf16 or ``--dtype``, blocks of 16 tokens), 30
-layers each with its own K/V cache (as a step reads them, mostly from memory), through the CPU
+The default model's heads (9 query heads, 3 KV heads of 64, bf16 or ``--dtype``, blocks of 16
+tokens) and 30 layers, or with ``--shape opt-125m`` 12 query and 12 KV heads of 64 and 12 layers,
+each layer with its own K/V cache (as a step reads them, mostly from memory), through the CPU
 paged-decode kernel (``loom.attention.backends.native``, the AVX512-BF16 kernel where the CPU
-has it). Each row: the best of ``--rounds`` passes over the 30 layers, and the nanoseconds a
+has it). Each row: the best of ``--rounds`` passes over the layers, and the nanoseconds a
 token of context costs a layer. Contexts of equal and of mixed lengths, among them long and short
 rows alternating: where the kernel's threads share the rows unevenly, that batch costs more a
 token than a batch of one length.
@@ -11,6 +12,7 @@ token than a batch of one length.
     python bench/decode_attention.py
     python bench/decode_attention.py --threads 2 --rounds 30
     python bench/decode_attention.py --dtype float32   # the dtype of CPUs without native bf16
+    python bench/decode_attention.py --shape opt-125m  # no GQA: 4x the K/V a row of the default model's
 
 Random K/V and queries (the time depends on the lengths, not the values). On a shared machine,
 compare figures from the same minutes.
@@ -33,7 +35,10 @@ import time
 import torch
 from loom.attention.backends import native
 
-HEADS, KV_HEADS, HEAD_SIZE, BLOCK, LAYERS = 9, 3, 64, 16, 30
+HEAD_SIZE, BLOCK = 64, 16
+# query heads, KV heads, layers (heads of 64)
+SHAPES = {"default": (9, 3, 30), "opt-125m": (12, 12, 12)}
+HEADS, KV_HEADS, LAYERS = SHAPES["default"]
 
 
 def batch(contexts: list[int], g: torch.Generator, dtype: torch.dtype) -> tuple:
@@ -100,7 +105,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
+    parser.add_argument("--shape", choices=list(SHAPES), default="default",
+                        help="the model whose heads and layers to take (opt-125m: 12 heads of 64, no GQA, 12 layers)")
     args = parser.parse_args()
+    global HEADS, KV_HEADS, LAYERS
+    HEADS, KV_HEADS, LAYERS = SHAPES[args.shape]
     if args.threads < 1 or args.rounds < 1:
         parser.error("--threads and --rounds must be at least 1")
     torch.set_num_threads(args.threads)

@@ -321,6 +321,48 @@ def test_bf16_fast_kernel_against_portable_and_torch(kernel, heads, kv_heads, he
         torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
 
+def _heads_per_item(kernel, contexts: list[int], kv_heads: int, head_size: int, threads: int = 2) -> int:
+    """The KV heads a decode work item of the AVX512-BF16 kernel takes for these decode rows."""
+    fn = kernel.lib.paged_decode_bf16_heads_per_item
+    fn.argtypes = [ctypes.c_int64] * 3 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+    fn.restype = ctypes.c_int64
+    return fn(len(contexts), kv_heads, head_size, (ctypes.c_int64 * len(contexts))(*contexts), threads)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(12, 12), (9, 3)])
+def test_bf16_items_of_rows_with_much_kv_take_some_of_their_heads(kernel, heads, kv_heads):
+    """A thread asks for its next item's K/V while it computes one, so an item's K/V is kept to
+    about 64 KB: an OPT-125m row's 12 heads of 64 at 160 tokens (480 KB) are cut into items of 2
+    heads, the default model's 3 (120 KB) into items of 2 and 1; short contexts keep rows whole,
+    a few rows are cut for the threads' sake alone. Each item writes its own heads, with the query
+    heads of its KV heads (the default model's groups of 3): against torch, 64 rows of 100-190."""
+    assert _heads_per_item(kernel, [160] * 64, 12, 64) == 2
+    assert _heads_per_item(kernel, [160] * 64, 3, 64) == 2
+    assert _heads_per_item(kernel, [16] * 64, 12, 64) == 12  # 48 KB: whole rows
+    assert _heads_per_item(kernel, [16] * 64, 3, 64) == 3
+    assert _heads_per_item(kernel, [16], 12, 64) == 3  # one row: 4 items for 2 threads
+    assert _heads_per_item(kernel, [4000] * 8, 2, 128) == 1  # never fewer than one head
+    head_size, block_size, B, nblk = 64, 16, 64, 12
+    g = torch.Generator().manual_seed(heads)
+    ctx = torch.randint(100, 190, (B,), generator=g)
+    assert _heads_per_item(kernel, ctx.tolist(), kv_heads, head_size) < kv_heads
+    tables = torch.randperm(B * nblk, generator=g).view(B, nblk)
+    k_cache, v_cache = (torch.randn(B * nblk * block_size, kv_heads, head_size, generator=g).to(torch.bfloat16)
+                        for _ in range(2))
+    query = torch.randn(B, heads * head_size, generator=g).to(torch.bfloat16)
+    rows = torch.arange(B)
+    out = torch.empty(B, heads * head_size, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kernel(query, rows, rows, k_cache, v_cache, tables, ctx, out, num_heads=heads, block_size=block_size,
+               scale=head_size**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    want = _reference(query, rows, rows, k_cache, v_cache, tables, ctx, heads, block_size, head_size**-0.5)
+    torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
 def _chunks(kernel, B, heads, kv_heads, head_size, max_ctx, threads) -> int:
     """The parts the bf16 kernel cuts each decode row's context into (0: it goes by KV heads)."""
     fn = kernel.lib.paged_decode_bf16_chunks

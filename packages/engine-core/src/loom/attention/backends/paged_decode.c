@@ -180,6 +180,29 @@ void paged_decode_thread_share(const int64_t *cost, int64_t n, int nt, int tid, 
     thread_share(cost, n, nt, tid, lo, hi);
 }
 
+/* How many parts a decode row's KV heads are cut into, a work item each: enough for two items a
+ * thread where there are few rows, and, where cap > 0, enough that an item's K and V (its heads'
+ * share of a cache row, over the batch's mean context) stay within cap bytes. A thread asks for
+ * its next item's K/V (into L2) while it computes one, so the two must fit there together: an
+ * OPT-125m row's 12 heads at 160 tokens are 480 KB. The AVX512-BF16 kernel takes ITEM_KV_BYTES:
+ * 64 such rows through 12 layers 16.7-20.6 -> 15.4-15.7 ms (items of 2 heads), 64 rows of 600 and
+ * 32 tokens alternating 41 -> 26-33; the default model's heads (120 KB a row, items of 2 heads and
+ * 1) 25.6 -> 20.3-21.8 ms for those, 64 rows of 160 within the noise (9.9-10.3 -> 10.3-10.8 in
+ * two runs each, 9.86 -> 9.94 best alternated in one process). 2026-12-08, bench/decode_attention.py,
+ * docs/performance.md. The portable kernel keeps whole rows (cap 0): it walks a token's heads
+ * together, and cut so its fp32 default-model batches were as often slower as faster. */
+#define ITEM_KV_BYTES (64 * 1024)
+static int64_t decode_parts(int64_t B, int64_t Hk, int64_t D, int64_t esize, const int64_t *ctx_lens,
+                            const int64_t *singles, int nthreads, int64_t cap) {
+    int64_t parts = (2 * (int64_t)nthreads + B - 1) / (B > 0 ? B : 1), sum = 0;
+    for (int64_t i = 0; i < B; i++) sum += ctx_lens[singles ? singles[i] : i];
+    if (cap > 0 && B > 0) {
+        const int64_t by_bytes = (2 * (sum / B) * Hk * D * esize + cap - 1) / cap;
+        parts = by_bytes > parts ? by_bytes : parts;
+    }
+    return parts > Hk ? Hk : parts < 1 ? 1 : parts;
+}
+
 /* ---- A step's prefill chunks as work items (paged_prefill_amx.c, paged_prefill_f32.c) ----
  * An item is (chunk, KV head, rows [r0, r1) of the chunk); chunks (n x 4) as those kernels take
  * them. The chunks are cut into parts of one size: at least part_min rows (unless the chunk is
@@ -410,9 +433,7 @@ int FN(                                                                         
     /* work items: a request and a range of its KV heads. A request's block is contiguous     \
      * (block_size x Hk x D), so walking all its heads token by token streams memory; split    \
      * the heads only when there are too few requests to keep every thread busy. */            \
-    int64_t parts = (2 * (int64_t)nthreads + B - 1) / B;                                       \
-    if (parts > Hk) parts = Hk;                                                                \
-    if (parts < 1) parts = 1;                                                                  \
+    int64_t parts = decode_parts(B, Hk, D, sizeof(T), ctx_lens, NULL, nthreads, 0);            \
     /* too few items for the threads, long contexts: parts of each row's context instead, all  \
      * its KV heads an item, merged after (chunks parts a row, see decode_chunks) */           \
     const int64_t chunks = decode_chunks(B, Hk, max_ctx, nthreads), pw = D + 2;                \

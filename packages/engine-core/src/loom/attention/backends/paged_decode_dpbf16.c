@@ -550,10 +550,9 @@ static int paged_decode_dp_bf16(const bf16_t *query, int64_t q_stride, const int
         return rc;
     }
     const int64_t stride = (max_ctx + 15) / 16 * 16, g = H / Hk, row = Hk * D;
-    /* work items as in the portable kernel: a request and a range of its KV heads */
-    int64_t parts = (2 * (int64_t)nthreads + B - 1) / B;
-    if (parts > Hk) parts = Hk;
-    if (parts < 1) parts = 1;
+    /* work items as in the portable kernel: a request and a range of its KV heads, here fewer
+     * heads where a row's K/V is large (decode_parts) */
+    const int64_t parts = decode_parts(B, Hk, D, sizeof(bf16_t), ctx_lens, singles, nthreads, ITEM_KV_BYTES);
     const int64_t hpi = (Hk + parts - 1) / parts, per_req = (Hk + hpi - 1) / hpi, items = B * per_req;
     int64_t *cost = decode_costs(ctx_lens, singles, items, per_req, 0, hpi, Hk);
     if (!cost) { free(runs); return 1; }
@@ -610,6 +609,13 @@ int64_t paged_decode_bf16_chunks(int64_t B, int64_t H, int64_t Hk, int64_t D, in
     (void)B, (void)H, (void)Hk, (void)D, (void)max_ctx, (void)nthreads;
 #endif
     return 0;
+}
+
+/* the KV heads a decode work item of the AVX512-BF16 kernel takes, for B decode rows of these
+ * contexts (where no row's context is cut into parts, see paged_decode_bf16_chunks); for the tests */
+int64_t paged_decode_bf16_heads_per_item(int64_t B, int64_t Hk, int64_t D, const int64_t *ctx_lens, int nthreads) {
+    const int64_t parts = decode_parts(B, Hk, D, 2, ctx_lens, NULL, nthreads, ITEM_KV_BYTES);
+    return (Hk + parts - 1) / parts;
 }
 
 /* bf16: the AVX512-BF16 kernel where the CPU has it and D is a multiple of 32, else the portable
