@@ -335,7 +335,9 @@ def test_bf16_items_of_rows_with_much_kv_take_some_of_their_heads(kernel, heads,
     about 64 KB: an OPT-125m row's 12 heads of 64 at 160 tokens (480 KB) are cut into items of 2
     heads, the default model's 3 (120 KB) into items of 2 and 1; short contexts keep rows whole,
     a few rows are cut for the threads' sake alone. Each item writes its own heads, with the query
-    heads of its KV heads (the default model's groups of 3): against torch, 64 rows of 100-190."""
+    heads of its KV heads (the default model's groups of 3): against torch, 64 rows of 100-190,
+    and bit for bit against the same rows computed whole (beside rows of one token each, the
+    batch's mean context is short)."""
     assert _heads_per_item(kernel, [160] * 64, 12, 64) == 2
     assert _heads_per_item(kernel, [160] * 64, 3, 64) == 2
     assert _heads_per_item(kernel, [16] * 64, 12, 64) == 12  # 48 KB: whole rows
@@ -357,10 +359,18 @@ def test_bf16_items_of_rows_with_much_kv_take_some_of_their_heads(kernel, heads,
     try:
         kernel(query, rows, rows, k_cache, v_cache, tables, ctx, out, num_heads=heads, block_size=block_size,
                scale=head_size**-0.5)
+        want = _reference(query, rows, rows, k_cache, v_cache, tables, ctx, heads, block_size, head_size**-0.5)
+        torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2)
+        for b in (0, 31, 63):  # the same row beside rows of one token: whole rows, and the same bits
+            alone = torch.ones_like(ctx)
+            alone[b] = ctx[b]
+            assert _heads_per_item(kernel, alone.tolist(), kv_heads, head_size) == kv_heads
+            whole = torch.empty_like(out)
+            kernel(query, rows, rows, k_cache, v_cache, tables, alone, whole, num_heads=heads,
+                   block_size=block_size, scale=head_size**-0.5)
+            assert torch.equal(whole[b], out[b]), f"row {b}: items of some of its heads gave other bits"
     finally:
         torch.set_num_threads(before)
-    want = _reference(query, rows, rows, k_cache, v_cache, tables, ctx, heads, block_size, head_size**-0.5)
-    torch.testing.assert_close(out.double(), want, atol=1.6e-2, rtol=1.6e-2)
 
 
 def _chunks(kernel, B, heads, kv_heads, head_size, max_ctx, threads) -> int:
