@@ -580,6 +580,33 @@ def test_bf16_prefill_rows_against_torch(kernel, heads, kv_heads, head_size):
     assert (out[untouched] == 7.0).all()
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(1, 1), (4, 4), (6, 2)])
+def test_bf16_prefill_rows_give_the_same_bits_in_any_pairing(kernel, heads, kv_heads):
+    """The AVX512-BF16 kernel's P.V takes a run's rows two at a time (its query heads in order, then
+    its tokens), the keys both see side by side, each row's own after. Every row adds its keys in
+    the same order either way: the same query and keys give the same bits whether the row is
+    first or second of a pair, paired with a row of one key more or less or of the same context
+    (a KV head's query heads), or left alone at the end of an odd run."""
+    g = torch.Generator().manual_seed(heads)
+    head_size, block_size, nblk = 64, 16, 4
+    tables = torch.randperm(nblk, generator=g).view(1, nblk)
+    k_cache, v_cache = (torch.randn(nblk * block_size, kv_heads, head_size, generator=g).to(torch.bfloat16)
+                        for _ in range(2))
+    query = torch.randn(5, heads * head_size, generator=g).to(torch.bfloat16)
+    outs = {}
+    for first, n in [(40, 3), (41, 2), (39, 5), (42, 2)]:  # runs of rows with contexts first .. first + n - 1
+        ctx = torch.arange(first, first + n)
+        rows_q = ctx - 39  # query row i holds the token of context 39 + i, whatever run it is in
+        out = torch.zeros(5, heads * head_size, dtype=torch.bfloat16)
+        kernel(query, rows_q, torch.zeros(n, dtype=torch.long), k_cache, v_cache, tables, ctx, out,
+               num_heads=heads, block_size=block_size, scale=head_size**-0.5)
+        for c in ctx.tolist():
+            outs.setdefault(c, []).append(out[c - 39])
+    for c, rows in outs.items():
+        assert all(torch.equal(r, rows[0]) for r in rows), f"context {c}: the bits depend on the pairing"
+    assert len(outs[42]) == 4 and len(outs[41]) == 3  # (a run of one row is a decode row: P stays fp32)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_bf16_prefill_rows_see_a_non_finite_value_only_from_their_own_context(kernel, bad):
     """A chunk's rows (contexts 1 to 7) with a non-finite V at key 0 to 6: exactly the rows whose

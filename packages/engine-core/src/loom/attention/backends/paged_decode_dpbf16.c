@@ -247,11 +247,14 @@ static void decode_item(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_
  * in fp32 the default model's greedy chat answers drifted from torch's as often as bf16 answers
  * drift from fp32 ones, the README's example among them. So P.V is `vdpbf16ps` too: the run's
  * context's V is laid out once as pairs of keys for all its heads (pv_pairs), and each row
- * multiplies its own keys, its sums in registers. Before (2026-12-07), V was widened to fp32 a tile
- * at a time and P rounded one float at a time: 16 prompts of 128 tokens, the default model's
- * heads, 30 layers' K/V, 2.8-3.2 ms a layer against 1.9-2.1 now, the same bits (2 cores of an
- * AMD EPYC with AVX512-BF16; the bits differ only where vdpbf16ps reads a subnormal P or V as
- * zero). */
+ * multiplies its own keys, its sums in registers, two rows at a time (pv_pairs2: one row's four
+ * chains of vdpbf16ps waited on the instruction's latency, `perf` found a quarter of the kernel on
+ * them; two rows side by side, each V loaded once, 1.02-1.07x for prompts of 128 and 1.16-1.29x
+ * for prompts of 1,000-4,096 tokens, the same bits; 2026-12-08). Before (2026-12-07), V was
+ * widened to fp32 a tile at a time and P rounded one float at a time: 16 prompts of 128 tokens,
+ * the default model's heads, 30 layers' K/V, 2.8-3.2 ms a layer against 1.9-2.1 then, the same
+ * bits (2 cores of an AMD EPYC with AVX512-BF16; the bits differ only where vdpbf16ps reads a
+ * subnormal P or V as zero). */
 #define QB 16
 
 /* o[16 c .. + 16] for c < ND (bf16) = sum over the row's m keys of P . V, with P as bf16 pairs pp[j]
@@ -261,23 +264,52 @@ static void decode_item(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_
  * the order of one fused multiply-add a key, so the sums are bit for bit those of a key at a time.
  * An odd m's last pair holds a key past the row's own position: its V is masked to zero, so a
  * non-finite V there reaches no row that does not see it (its P is zero, but 0 * inf is NaN). */
-static inline __attribute__((always_inline)) void pv_pairs(const uint32_t *pp, int64_t m, const bf16_t *vp,
-                                                           int64_t DC, bf16_t *o, const int ND) {
-    __m512 x[4];
-    for (int c = 0; c < ND; c++) x[c] = _mm512_setzero_ps();
-    const int64_t full = m / 2;
-    for (int64_t j = 0; j < full; j++) {
+#define AI static inline __attribute__((always_inline))
+/* x[c] += P . V over pairs [j0, j1) of one row */
+AI void pv_acc(__m512 *x, const uint32_t *pp, int64_t j0, int64_t j1, const bf16_t *vp, int64_t DC, const int ND) {
+    for (int64_t j = j0; j < j1; j++) {
         const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[j]);
         for (int c = 0; c < ND; c++) x[c] = _mm512_dpbf16_ps(x[c], load_bh(vp + (j * DC + c) * 32), w);
     }
+}
+/* an odd m's last pair (its V masked), then x rounded into o */
+AI void pv_end(__m512 *x, const uint32_t *pp, int64_t m, const bf16_t *vp, int64_t DC, bf16_t *o, const int ND) {
     if (m & 1) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[full]);
+        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pp[m / 2]);
         for (int c = 0; c < ND; c++)
-            x[c] = _mm512_dpbf16_ps(x[c], (__m512bh)_mm512_maskz_mov_epi16(0xAAAAAAAAu,
-                                                                            _mm512_loadu_si512(vp + (full * DC + c) * 32)), w);
+            x[c] = _mm512_dpbf16_ps(x[c], (__m512bh)_mm512_maskz_mov_epi16(
+                                              0xAAAAAAAAu, _mm512_loadu_si512(vp + (m / 2 * DC + c) * 32)), w);
     }
     for (int c = 0; c < ND; c++) _mm256_storeu_si256((void *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(x[c]));
 }
+AI void pv_pairs(const uint32_t *pp, int64_t m, const bf16_t *vp, int64_t DC, bf16_t *o, const int ND) {
+    __m512 x[4];
+    for (int c = 0; c < ND; c++) x[c] = _mm512_setzero_ps();
+    pv_acc(x, pp, 0, m / 2, vp, DC, ND);
+    pv_end(x, pp, m, vp, DC, o, ND);
+}
+/* pv_pairs of two rows: the pairs both have with their sums side by side, each V loaded once (one
+ * row's chain of vdpbf16ps a column is bound by the instruction's latency), then each row's own;
+ * each row adds its keys in the same order as alone, so the bits are pv_pairs' */
+AI void pv_pairs2(const uint32_t *p0, int64_t m0, const uint32_t *p1, int64_t m1, const bf16_t *vp, int64_t DC,
+                  bf16_t *o0, bf16_t *o1, const int ND) {
+    __m512 x[4], y[4];
+    for (int c = 0; c < ND; c++) x[c] = y[c] = _mm512_setzero_ps();
+    const int64_t common = (m0 < m1 ? m0 : m1) / 2;
+    for (int64_t j = 0; j < common; j++) {
+        const __m512bh w0 = (__m512bh)_mm512_set1_epi32((int)p0[j]), w1 = (__m512bh)_mm512_set1_epi32((int)p1[j]);
+        for (int c = 0; c < ND; c++) {
+            const __m512bh v = load_bh(vp + (j * DC + c) * 32);
+            x[c] = _mm512_dpbf16_ps(x[c], v, w0);
+            y[c] = _mm512_dpbf16_ps(y[c], v, w1);
+        }
+    }
+    pv_acc(x, p0, common, m0 / 2, vp, DC, ND);
+    pv_end(x, p0, m0, vp, DC, o0, ND);
+    pv_acc(y, p1, common, m1 / 2, vp, DC, ND);
+    pv_end(y, p1, m1, vp, DC, o1, ND);
+}
+#undef AI
 
 /* vpermt2w's index for a pair of keys: element 2i from b (key 2j + 1), 2i + 1 from a (key 2j) */
 static const uint16_t pair_lanes[32] = {32, 0, 33, 1, 34, 2, 35, 3, 36, 4, 37, 5, 38, 6, 39, 7,
@@ -379,17 +411,22 @@ static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq
             _mm512_store_si512((void *)(vp + (j * DC + c) * 32), _mm512_permutex2var_epi16(a, lanes, b));
         }
     }
-    for (int64_t h = 0; h < nh; h++) {
-        const uint32_t *pp = (const uint32_t *)(scores + h * stride);
-        const int64_t m = ctx_of[h / g];
-        bf16_t *o = out + rq[h / g] * out_stride + (kh * g + h % g) * D;
+    for (int64_t h = 0; h < nh; h += 2) { /* two rows at a time (pv_pairs2) */
+        const uint32_t *p0 = (const uint32_t *)(scores + h * stride), *p1 = p0 + stride;
+        const int64_t m0 = ctx_of[h / g], m1 = h + 1 < nh ? ctx_of[(h + 1) / g] : 0;
+        bf16_t *o0 = out + rq[h / g] * out_stride + (kh * g + h % g) * D;
+        bf16_t *o1 = h + 1 < nh ? out + rq[(h + 1) / g] * out_stride + (kh * g + (h + 1) % g) * D : NULL;
         for (int64_t c0 = 0; c0 < DC; c0 += 4) {
+#define PV_ROWS(ND)                                                                                   \
+    if (o1) pv_pairs2(p0, m0, p1, m1, vp + c0 * 32, DC, o0 + 16 * c0, o1 + 16 * c0, ND);             \
+    else pv_pairs(p0, m0, vp + c0 * 32, DC, o0 + 16 * c0, ND);
             switch (DC - c0 < 4 ? DC - c0 : 4) {
-            case 4: pv_pairs(pp, m, vp + c0 * 32, DC, o + 16 * c0, 4); break;
-            case 3: pv_pairs(pp, m, vp + c0 * 32, DC, o + 16 * c0, 3); break;
-            case 2: pv_pairs(pp, m, vp + c0 * 32, DC, o + 16 * c0, 2); break;
-            default: pv_pairs(pp, m, vp + c0 * 32, DC, o + 16 * c0, 1); break;
+            case 4: PV_ROWS(4) break;
+            case 3: PV_ROWS(3) break;
+            case 2: PV_ROWS(2) break;
+            default: PV_ROWS(1) break;
             }
+#undef PV_ROWS
         }
     }
 }
