@@ -412,10 +412,11 @@ static void prefill_run(const bf16_t *query, int64_t q_stride, const int64_t *rq
         }
     }
     for (int64_t h = 0; h < nh; h += 2) { /* two rows at a time (pv_pairs2) */
-        const uint32_t *p0 = (const uint32_t *)(scores + h * stride), *p1 = p0 + stride;
-        const int64_t m0 = ctx_of[h / g], m1 = h + 1 < nh ? ctx_of[(h + 1) / g] : 0;
+        const int two = h + 1 < nh;
+        const uint32_t *p0 = (const uint32_t *)(scores + h * stride), *p1 = two ? p0 + stride : p0;
+        const int64_t m0 = ctx_of[h / g], m1 = two ? ctx_of[(h + 1) / g] : 0;
         bf16_t *o0 = out + rq[h / g] * out_stride + (kh * g + h % g) * D;
-        bf16_t *o1 = h + 1 < nh ? out + rq[(h + 1) / g] * out_stride + (kh * g + (h + 1) % g) * D : NULL;
+        bf16_t *o1 = two ? out + rq[(h + 1) / g] * out_stride + (kh * g + (h + 1) % g) * D : NULL;
         for (int64_t c0 = 0; c0 < DC; c0 += 4) {
 #define PV_ROWS(ND)                                                                                   \
     if (o1) pv_pairs2(p0, m0, p1, m1, vp + c0 * 32, DC, o0 + 16 * c0, o1 + 16 * c0, ND);             \
